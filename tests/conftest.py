@@ -1,0 +1,46 @@
+"""Shared fixtures: offline environment, the local data folder, the embedded pair (loaded once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The local copy of the benchmarks: $SEMSPEC_DATA_DIR, else ../shared/data beside the repo."""
+    d = Path(os.environ.get("SEMSPEC_DATA_DIR") or ROOT.parent / "shared" / "data")
+    if not d.is_dir():
+        pytest.skip(f"no local data folder at {d}; set SEMSPEC_DATA_DIR")
+    return d
+
+
+@pytest.fixture(scope="session")
+def embedded_pair():
+    from models.spec import load_pair
+
+    return load_pair("embedded")
+
+
+@pytest.fixture(scope="session")
+def draft_lm(embedded_pair):
+    """The embedded draft (~18 s to load), once per test session."""
+    from models.lm import load_lm
+
+    return load_lm(embedded_pair.draft)
+
+
+@pytest.fixture(scope="session")
+def target_lm(embedded_pair):
+    """The embedded target (~50 s to load), once per test session."""
+    from models.lm import load_lm
+
+    return load_lm(embedded_pair.target)

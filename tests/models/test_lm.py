@@ -1,0 +1,138 @@
+"""LM adapter on tiny models built from a config: stopping, batching, pooling, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.tiny import tiny_lm
+
+DELIM = "\n\n"
+
+
+def _check_sample(lm, s, max_tokens):
+    """Invariants every sample must satisfy, whatever its finish reason."""
+    assert s.finish_reason in ("delimiter", "eos", "length")
+    if s.finish_reason == "delimiter":
+        assert s.text.endswith(DELIM)
+        assert DELIM not in s.text[: -len(DELIM)], "stopped late: an earlier delimiter was skipped"
+        # the delimiter arrived with the last token, not before it
+        assert DELIM not in lm.tokenizer.decode(s.token_ids[:-1])
+    elif s.finish_reason == "length":
+        assert s.num_tokens == max_tokens
+        assert DELIM not in s.text
+    else:
+        assert s.token_ids[-1] in lm.eos_ids
+    assert s.pooled.h_layers.shape == (lm.num_layers + 1, lm.hidden_size)
+    assert torch.isfinite(s.pooled.h_layers).all()
+
+
+def test_batched_sampling_stops_each_row_at_the_delimiter():
+    lm = tiny_lm(boost=3.0)  # the newline token is likely, so rows stop at different lengths
+    samples = lm.generate_step("Question: 1+1?\nAnswer:", n=16, temperature=1.0, top_p=1.0, max_tokens=30, seed=1)
+    assert len(samples) == 16
+    for s in samples:
+        _check_sample(lm, s, 30)
+    reasons = {s.finish_reason for s in samples}
+    assert "delimiter" in reasons
+    assert len({s.num_tokens for s in samples}) > 1, "all rows the same length: per-row stopping not exercised"
+
+
+def test_delimiter_inside_a_token_is_cut_after_the_delimiter():
+    # '.\n\nT' carries the delimiter followed by text: the step must end right after '\n\n'
+    lm = tiny_lm(merged=True, boost=4.0)
+    samples = lm.generate_step("Q: go\nA:", n=24, temperature=1.0, top_p=1.0, max_tokens=20, seed=3)
+    for s in samples:
+        _check_sample(lm, s, 20)
+    merged_ids = set(lm.tokenizer.convert_tokens_to_ids([".\n\nT"]))
+    cut = [s for s in samples if s.finish_reason == "delimiter" and s.token_ids[-1] in merged_ids]
+    assert cut, "no sample ended on the merged token; raise the boost"
+    for s in cut:
+        assert s.text.endswith(".\n\n") and not s.text.endswith("T")
+
+
+def test_greedy_batch_equals_single_sequence():
+    lm = tiny_lm(boost=1.5)
+    ctx = "Question: 2+2?\nAnswer:"
+    one = lm.generate_step(ctx, n=1, temperature=0.0, max_tokens=20)[0]
+    many = lm.generate_step(ctx, n=4, temperature=0.0, max_tokens=20)
+    for s in many:
+        assert s.token_ids == one.token_ids
+        assert torch.allclose(s.pooled.h_layers, one.pooled.h_layers, atol=1e-5)
+
+
+def test_seed_makes_sampling_reproducible():
+    lm = tiny_lm(boost=1.0)
+    a = lm.generate_step("Q: x\nA:", n=6, temperature=0.8, top_p=0.9, max_tokens=12, seed=7)
+    b = lm.generate_step("Q: x\nA:", n=6, temperature=0.8, top_p=0.9, max_tokens=12, seed=7)
+    c = lm.generate_step("Q: x\nA:", n=6, temperature=0.8, top_p=0.9, max_tokens=12, seed=8)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert [s.token_ids for s in a] != [s.token_ids for s in c]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_pooling_at_generation_equals_pooling_at_prefill(temperature):
+    lm = tiny_lm(boost=2.0)  # character tokenizer: re-tokenising the text gives the same ids
+    ctx = "Question: what is 3*4?\nAnswer:"
+    state = lm.prefill(ctx)
+    samples = lm.generate_step(state, n=4, temperature=temperature, top_p=1.0, max_tokens=16, seed=0)
+    special = set(lm.tokenizer.all_special_ids)
+    plain = [s for s in samples if not special & set(s.token_ids)]  # random models emit <s>/<pad> too
+    assert plain
+    for s in plain:
+        sc = lm.score_step(state, s.text)
+        assert sc.token_ids == s.token_ids
+        for feat in ("last", "all", "mix"):
+            a, b = s.pooled.feature(feat), sc.pooled.feature(feat)
+            assert (a - b).abs().max() < 1e-3 * a.abs().mean()
+    # the state passed in is not modified by sampling or scoring
+    assert state.cache.get_seq_length() == len(state.ids)
+
+
+def test_score_step_logprobs_match_greedy_generation():
+    lm = tiny_lm(boost=2.0)
+    ctx = "Q: 5-1\nA:"
+    s = lm.generate_step(ctx, n=1, temperature=0.0, max_tokens=10)[0]
+    sc = lm.score_step(ctx, s.text)
+    assert sc.logprobs.shape == (len(sc.token_ids),)
+    assert sc.logprobs.sum().item() == pytest.approx(s.logprob, abs=1e-4)
+    assert sc.state.ids[-len(sc.token_ids) :] == sc.token_ids
+    assert sc.state.cache.get_seq_length() == len(sc.state.ids)
+
+
+def test_extend_keeps_cache_in_step_with_ids():
+    lm = tiny_lm()
+    st = lm.prefill("Question: a\nAnswer:")
+    st2, new_ids, logits, hidden = lm.extend(st.clone(), " first.\n\n")
+    assert st2.ids == st.ids + new_ids
+    assert logits.shape[0] == hidden.shape[0] == len(new_ids)
+    full = lm.prefill("Question: a\nAnswer: first.\n\n")
+    assert full.ids == st2.ids
+    assert torch.allclose(full.hidden, st2.hidden, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [({"n": 0}, "n must be"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens")],
+)
+def test_generate_step_rejects_bad_arguments(kwargs, msg):
+    lm = tiny_lm()
+    with pytest.raises(ValueError, match=msg):
+        lm.generate_step("Q: a\nA:", **kwargs)
+
+
+def test_prompts_plain_template_and_missing_chat_template():
+    lm = tiny_lm()
+    assert lm.format_prompt("  What is 1+1? ") == "Question: What is 1+1?\nAnswer: Let's think step by step.\n\n"
+    with pytest.raises(ValueError, match="non-empty"):
+        lm.format_prompt("   ")
+    chat = tiny_lm(prompt="chat")
+    with pytest.raises(ValueError, match="no chat template"):
+        chat.format_prompt("hi")
+
+
+def test_encode_adds_bos_once():
+    lm = tiny_lm()
+    ids = lm.encode("ab")
+    assert ids[0] == lm.tokenizer.bos_token_id and ids.count(lm.tokenizer.bos_token_id) == 1
+    assert lm.encode("<s>ab") == ids
