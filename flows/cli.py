@@ -18,7 +18,9 @@ data_app = typer.Typer(help="Inspect data sets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 
-PairOpt = Annotated[str, typer.Option("--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path.")]
+PairOpt = Annotated[
+    str, typer.Option("--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path.")
+]
 
 CHECK_QUESTION = (
     "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. "
@@ -94,7 +96,9 @@ def data_check(
         except Exception as e:  # report every set, then fail
             failed += 1
             typer.echo(f"{name:8s} ERROR  {e}", err=True)
-    typer.echo(f"{'arith':8s} {len(generate_arith(200, 'train')):5d}+{len(generate_arith(50, 'test'))}  (generated)")
+    typer.echo(
+        f"{'arith':8s} {len(generate_arith(200, 'train')):5d}+{len(generate_arith(50, 'test'))}  (generated)"
+    )
     if failed:
         raise typer.Exit(1)
 

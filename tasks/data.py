@@ -147,7 +147,11 @@ def _field(row: dict[str, Any], *names: str) -> Any:
 def _hub_rows(hub_id: str, split: str, config: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     import datasets  # heavy; only when reading from the Hub
 
-    ds = datasets.load_dataset(hub_id, config, split=split) if config else datasets.load_dataset(hub_id, split=split)
+    ds = (
+        datasets.load_dataset(hub_id, config, split=split)
+        if config
+        else datasets.load_dataset(hub_id, split=split)
+    )
     for i, row in enumerate(ds, start=1):
         yield i, dict(row)
 
@@ -310,7 +314,18 @@ def load_gpqa(data_dir: str | Path | None = None, on_error: str = "raise") -> Lo
 
 # --------------------------------------------------------------------------------------- arithmetic
 _NAMES = ["Maya", "Tom", "Lena", "Omar", "Priya", "Jonas", "Aiko", "Carlos", "Fatima", "Ben", "Zoe", "Ivan"]
-_ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "coins", "cards"]
+_ITEMS = [
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "books",
+    "cookies",
+    "stamps",
+    "shells",
+    "coins",
+    "cards",
+]
 
 
 def _arith_one(rng: random.Random) -> tuple[str, list[str], int]:
@@ -349,7 +364,9 @@ def _arith_one(rng: random.Random) -> tuple[str, list[str], int]:
                 continue
             m = rng.choice(divisors)
             q.append(f"Then {name} splits the {item} equally among {m} friends and keeps one share.")
-            steps.append(f"Splitting {total} {item} into {m} equal shares gives {total} / {m} = {total // m}.")
+            steps.append(
+                f"Splitting {total} {item} into {m} equal shares gives {total} / {m} = {total // m}."
+            )
             total //= m
     q.append(f"How many {item} does {name} have now?")
     steps.append(f"So {name} has {total} {item} now. The answer is \\boxed{{{total}}}.")
@@ -388,7 +405,15 @@ def generate_arith(n: int, split: str = "train", seed: int = 0, test_percent: in
         seen.add(question)
         qid = "arith-" + hashlib.sha1(question.encode("utf-8")).hexdigest()[:12]
         out.append(
-            Problem(qid, "arith", "math", question, str(answer), solution="\n\n".join(steps), meta={"split": split})
+            Problem(
+                qid,
+                "arith",
+                "math",
+                question,
+                str(answer),
+                solution="\n\n".join(steps),
+                meta={"split": split},
+            )
         )
     return out
 
@@ -443,7 +468,9 @@ def build_prefixes(
     for k in ks:
         pid = hashlib.sha1(f"{problem.source}:{problem.question_id}:{k}".encode()).hexdigest()[:16]
         context = "".join(s + delimiter for s in steps[:k])
-        out.append(Prefix(pid, problem.question_id, problem.source, problem.domain, k, problem.question, context))
+        out.append(
+            Prefix(pid, problem.question_id, problem.source, problem.domain, k, problem.question, context)
+        )
     return out
 
 

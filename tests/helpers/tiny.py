@@ -64,5 +64,11 @@ def tiny_lm(merged: bool = False, seed: int = 0, max_step_tokens: int = 24, boos
         ids = tok.convert_tokens_to_ids(MERGED if merged else ["\n"])
         boost_tokens(model, ids, boost)
     spec = {"prompt": "plain", **spec}
-    s = ModelSpec(model_id=f"tiny-llama-{seed}", source="local", path="/nonexistent", max_step_tokens=max_step_tokens, **spec)
+    s = ModelSpec(
+        model_id=f"tiny-llama-{seed}",
+        source="local",
+        path="/nonexistent",
+        max_step_tokens=max_step_tokens,
+        **spec,
+    )
     return LM(model, tok, s)

@@ -29,13 +29,17 @@ def _check_sample(lm, s, max_tokens):
 
 def test_batched_sampling_stops_each_row_at_the_delimiter():
     lm = tiny_lm(boost=3.0)  # the newline token is likely, so rows stop at different lengths
-    samples = lm.generate_step("Question: 1+1?\nAnswer:", n=16, temperature=1.0, top_p=1.0, max_tokens=30, seed=1)
+    samples = lm.generate_step(
+        "Question: 1+1?\nAnswer:", n=16, temperature=1.0, top_p=1.0, max_tokens=30, seed=1
+    )
     assert len(samples) == 16
     for s in samples:
         _check_sample(lm, s, 30)
     reasons = {s.finish_reason for s in samples}
     assert "delimiter" in reasons
-    assert len({s.num_tokens for s in samples}) > 1, "all rows the same length: per-row stopping not exercised"
+    assert len({s.num_tokens for s in samples}) > 1, (
+        "all rows the same length: per-row stopping not exercised"
+    )
 
 
 def test_delimiter_inside_a_token_is_cut_after_the_delimiter():
@@ -113,7 +117,12 @@ def test_extend_keeps_cache_in_step_with_ids():
 
 @pytest.mark.parametrize(
     "kwargs, msg",
-    [({"n": 0}, "n must be"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens")],
+    [
+        ({"n": 0}, "n must be"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
 )
 def test_generate_step_rejects_bad_arguments(kwargs, msg):
     lm = tiny_lm()
@@ -123,7 +132,9 @@ def test_generate_step_rejects_bad_arguments(kwargs, msg):
 
 def test_prompts_plain_template_and_missing_chat_template():
     lm = tiny_lm()
-    assert lm.format_prompt("  What is 1+1? ") == "Question: What is 1+1?\nAnswer: Let's think step by step.\n\n"
+    assert (
+        lm.format_prompt("  What is 1+1? ") == "Question: What is 1+1?\nAnswer: Let's think step by step.\n\n"
+    )
     with pytest.raises(ValueError, match="non-empty"):
         lm.format_prompt("   ")
     chat = tiny_lm(prompt="chat")

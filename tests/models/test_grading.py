@@ -1,0 +1,146 @@
+"""Answer extraction and equivalence (math-verify plus our additions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.grading import extract_answer, grade, is_equiv, last_boxed
+
+# (gold, prediction): equivalent pairs, checked in both directions
+EQUIVALENT = [
+    ("\\frac{1}{2}", "0.5"),
+    ("\\frac{1}{2}", "1/2"),
+    ("\\dfrac{3}{4}", "\\frac34"),
+    ("\\tfrac{2}{3}", "2/3"),
+    ("0.3333333", "0.33333"),
+    ("25", "025"),
+    ("7", "007"),
+    ("1000", "1,000"),
+    ("1000", "1000.0"),
+    ("27", "27.0"),
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),
+    ("2\\sqrt{3}", "\\sqrt{12}"),
+    ("\\pi", "3.14159265"),
+    ("2\\pi", "6.2831853"),
+    ("\\frac{\\pi}{4}", "\\pi/4"),
+    ("(1,2)", "(1, 2)"),
+    ("(3, -1)", "\\left(3,-1\\right)"),
+    ("[0,1)", "[0, 1)"),
+    ("(-\\infty, 2]", "(-\\infty,2]"),
+    ("50\\%", "50"),
+    ("12.5\\%", "12.5"),
+    ("30^\\circ", "30"),
+    ("45^{\\circ}", "45"),
+    ("10\\text{ cm}", "10"),
+    ("\\$5", "5"),
+    ("x=3", "3"),
+    ("\\text{Evelyn}", "Evelyn"),
+    ("\\text{(C)}", "(C)"),
+    ("x^2+2x+1", "(x+1)^2"),
+    ("2x+3", "3+2x"),
+    ("\\frac{a}{b}", "a/b"),
+    ("-\\frac{1}{3}", "-1/3"),
+    ("\\frac{-1}{3}", "-\\frac{1}{3}"),
+    ("3\\sqrt{2}", "\\sqrt{18}"),
+    ("1.5", "\\frac{3}{2}"),
+    ("100", "1e2"),
+    ("0.0001", "1/10000"),
+    ("1234567", "1234567.0001"),
+    ("\\infty", "\\infty"),
+    ("\\{1,2,3\\}", "\\{3,2,1\\}"),
+    ("5", "5."),
+    ("\\mathrm{5}", "5"),
+    ("3/2", "1\\frac{1}{2}"),
+]
+
+# pairs that must NOT be equal, in both directions
+DIFFERENT = [
+    ("\\frac{1}{2}", "0.4"),
+    ("25", "52"),
+    ("(1,2)", "(2,1)"),
+    ("[0,1)", "[0,1]"),
+    ("\\sqrt{2}", "2"),
+    ("2\\pi", "\\pi"),
+    ("x+1", "x-1"),
+    ("10", "10.01"),
+    ("1000", "1001"),
+    ("-3", "3"),
+    ("\\text{Evelyn}", "Bob"),
+    ("0.001", "0.002"),
+]
+
+
+@pytest.mark.parametrize("gold, pred", EQUIVALENT)
+def test_equivalent_both_directions(gold, pred):
+    assert is_equiv(gold, pred), f"{gold!r} should equal {pred!r}"
+    assert is_equiv(pred, gold), f"{pred!r} should equal {gold!r}"
+
+
+@pytest.mark.parametrize("gold, pred", DIFFERENT)
+def test_different_both_directions(gold, pred):
+    assert not is_equiv(gold, pred)
+    assert not is_equiv(pred, gold)
+
+
+def test_at_least_sixty_equivalence_cases():
+    assert 2 * (len(EQUIVALENT) + len(DIFFERENT)) >= 60
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so \\boxed{5}.", "5"),
+        ("\\boxed{\\frac{1}{2}} and later \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+        ("nested \\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}"),
+        ("\\boxed{x^{2}+\\sqrt{y_{1}}}", "x^{2}+\\sqrt{y_{1}}"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 9 is it", "9"),
+        ("\\boxed{3} then unbalanced \\boxed{4", "3"),
+        ("no box here", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, bench, expected",
+    [
+        ("Therefore the answer is 42.", "math", "42"),
+        ("The answer is: $\\frac{1}{2}$.\nDone", "math", "\\frac{1}{2}"),
+        ("So the final answer is \\boxed{12}. The answer is 13.", "math", "12"),
+        ("The answer is (B).", "gpqa", "B"),
+        ("\\boxed{C}", "gpqa", "C"),
+        ("\\boxed{\\text{(D)}}", "gpqa", "D"),
+        ("I pick (A) over (C), final: (C)", "gpqa", "C"),
+        ("The answer is 42", "gpqa", None),
+        ("", "math", None),
+    ],
+)
+def test_extract_answer(text, bench, expected):
+    assert extract_answer(text, bench) == expected
+
+
+def test_letters_for_gpqa():
+    assert grade("gpqa", "B", "Thus the answer is \\boxed{B}.") == ("B", True)
+    assert grade("gpqa", "B", "answer is (b)")[1]
+    assert not grade("gpqa", "B", "\\boxed{A}")[1]
+    assert grade("gpqa", "D", "D")[1]
+
+
+def test_grade_completion_and_bare_answers():
+    assert grade("math500", "\\frac{1}{2}", "We get $x = 1/2$, so \\boxed{0.5}.") == ("0.5", True)
+    assert grade("aime24", "025", "\\boxed{25}")[1]
+    assert grade("arith", "96", "96")[1]
+    assert not grade("amc23", "27", "no answer at all in this long completion\nreally")[1]
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        grade("nope", "1", "1")
+
+
+def test_every_math500_reference_solution_grades_correct(data_dir):
+    from tasks.data import load_math500
+
+    problems = load_math500(data_dir=data_dir).problems
+    assert len(problems) == 500
+    wrong = [p.question_id for p in problems if not grade("math500", p.answer, p.solution)[1]]
+    assert len(wrong) <= 5, f"{len(wrong)} of 500 self-checks failed, e.g. {wrong[:5]}"

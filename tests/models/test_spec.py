@@ -1,0 +1,85 @@
+"""Pair configuration: every shipped pair validates; bad specs name the field."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from models.spec import PairConfig, list_pairs, load_pair, pairs_dir
+
+
+def test_shipped_pairs_validate():
+    names = list_pairs()
+    assert {"embedded", "r1-distill-1.5b-32b", "r1-distill-1.5b-qwq-32b"} <= set(names)
+    for n in names:
+        cfg = load_pair(n)
+        assert cfg.name == n
+        assert cfg.draft.delimiter == "\n\n"
+    real = load_pair("r1-distill-1.5b-32b")
+    assert real.target.model_id == "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"
+    assert real.target.path == real.target.model_id and real.target.uses_cuda
+    assert real.judge.kind == "nli" and real.judge.model_id == "microsoft/deberta-large-mnli"
+    assert load_pair("r1-distill-1.5b-qwq-32b").target.model_id == "Qwen/QwQ-32B"
+    emb = load_pair("embedded")
+    assert emb.draft.source == emb.target.source == "package" and emb.judge.kind == "embedding"
+
+
+BASE = yaml.safe_load((pairs_dir() / "embedded.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        (("draft", "source"), "ftp", "source"),
+        (("draft", "model_id"), "", "model_id"),
+        (("target", "dtype"), "float8", "dtype"),
+        (("target", "device"), "gpu0", "device"),
+        (("draft", "prompt"), "fancy", "prompt"),
+        (("draft", "plain_template"), "no placeholder", "plain_template"),
+        (("draft", "delimiter"), "", "delimiter"),
+        (("draft", "max_step_tokens"), 0, "max_step_tokens"),
+        (("draft", "gguf_file"), "weights.bin", "gguf_file"),
+        (("judge", "kind"), "vibes", "kind"),
+        (("judge", "threshold"), 1.5, "threshold"),
+        (("judge", "nli_mode"), "loose", "nli_mode"),
+        (("name",), "bad name!", "name"),
+    ],
+)
+def test_bad_field_is_named(path, value, field):
+    data = copy.deepcopy(BASE)
+    node = data
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        PairConfig.from_dict(data)
+
+
+def test_unknown_and_missing_fields(tmp_path):
+    data = copy.deepcopy(BASE)
+    data["draft"]["temprature"] = 0.5
+    with pytest.raises(ValueError, match=r"unknown field.*temprature"):
+        PairConfig.from_dict(data)
+    data = copy.deepcopy(BASE)
+    del data["target"]
+    with pytest.raises(ValueError, match=r"missing field.*target"):
+        PairConfig.from_dict(data)
+    data = copy.deepcopy(BASE)
+    data["draft"]["source"] = "local"
+    data["draft"]["path"] = ""
+    with pytest.raises(ValueError, match="'path' is required"):
+        PairConfig.from_dict(data)
+
+
+def test_load_pair_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model pair 'nope'.*embedded"):
+        load_pair("nope")
+    bad = tmp_path / "x.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_pair(bad)
+    cfg = load_pair(pairs_dir() / "embedded.yaml")
+    with pytest.raises(ValueError, match="role must be"):
+        cfg.role("judge")
