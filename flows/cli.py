@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,6 +18,8 @@ models_app = typer.Typer(help="Inspect model pairs.", no_args_is_help=True)
 data_app = typer.Typer(help="Inspect data sets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
+judge_app = typer.Typer(help="The semantic-equivalence judge.", no_args_is_help=True)
+app.add_typer(judge_app, name="judge")
 
 PairOpt = Annotated[
     str, typer.Option("--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path.")
@@ -31,12 +34,23 @@ CHECK_STEP = "First, 12 pencils at 3 for $1 means 12 / 3 = 4 groups, so the penc
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    from flows.env import apply_env
+
+    apply_env()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    for noisy in ("httpx", "urllib3", "filelock", "transformers.modeling_utils"):
+    for noisy in (
+        "httpx",
+        "urllib3",
+        "filelock",
+        "transformers.modeling_utils",
+        "lightning.pytorch",
+        "pytorch_lightning",
+        "lightning.fabric",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -103,6 +117,44 @@ def data_check(
         raise typer.Exit(1)
 
 
+@judge_app.command("calibrate")
+def judge_calibrate(
+    pair: PairOpt = "embedded",
+    pairs_file: Annotated[
+        str, typer.Option(help="YAML of labelled step pairs.")
+    ] = "conf/judges/calibration.yaml",
+) -> None:
+    """Sweep the embedding judge's cosine threshold on labelled step pairs (accuracy, precision, recall, F1)."""
+    import yaml
+
+    from models.judges import EmbeddingJudge, calibrate, load_judge
+    from models.spec import load_pair
+
+    cfg = _or_exit(load_pair, pair)
+    if cfg.judge.kind != "embedding":
+        typer.echo(
+            f"error: pair {cfg.name} uses a '{cfg.judge.kind}' judge; calibration is for embedding judges",
+            err=True,
+        )
+        raise typer.Exit(2)
+    labelled = [
+        (bool(x[0]), str(x[1]), str(x[2])) for x in yaml.safe_load(Path(pairs_file).read_text())["pairs"]
+    ]
+    judge = load_judge(cfg.judge)
+    typer.echo(f"{len(labelled)} labelled pairs, {sum(x[0] for x in labelled)} equivalent")
+    for rule in (False, True):
+        j = EmbeddingJudge(judge.encode, cfg.judge.threshold, numbers_must_match=rule)
+        rows = calibrate(j, labelled, [round(0.5 + 0.05 * i, 2) for i in range(10)] + [0.97, 0.99])
+        typer.echo(f"numbers_must_match={rule}")
+        typer.echo("  threshold accuracy precision recall f1")
+        for r in rows:
+            typer.echo(
+                f"  {r['threshold']:9.2f} {r['accuracy']:8.3f} {r['precision']:9.3f} {r['recall']:6.3f} {r['f1']:.3f}"
+            )
+        best = max(rows, key=lambda r: (r["f1"], r["threshold"]))
+        typer.echo(f"  best F1 {best['f1']:.3f} at threshold {best['threshold']:.2f}")
+
+
 @app.command()
 def grade(
     benchmark: Annotated[str, typer.Option(help="math500, aime24, amc23, gpqa or arith.")],
@@ -117,6 +169,133 @@ def grade(
         raise typer.BadParameter(f"expected one of {', '.join(GRADED_BENCHMARKS)}", param_hint="--benchmark")
     _, ok = grade_fn(benchmark, gold, pred)
     typer.echo("correct" if ok else "wrong")
+
+
+# ----------------------------------------------------------------------------------- pipeline stages
+ParamsOpt = Annotated[
+    str | None, typer.Option("--params", help="params.yaml to read (default: the project's).")
+]
+ProfileOpt = Annotated[str | None, typer.Option("--profile", help="Profile overlay: demo, paper, tiny, ...")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a param: section.key=value.")]
+PairOverride = Annotated[str | None, typer.Option("--pair", "-p", help="Model pair (default: params' pair).")]
+
+
+def _params(params: str | None, profile: str | None, overrides: list[str] | None, pair: str | None):
+    from models.spec import load_pair
+    from tasks.config import load_params
+
+    p = _or_exit(load_params, params, profile, overrides)
+    if pair:
+        p.pair = pair
+    return p, _or_exit(load_pair, p.pair)
+
+
+def _path(given: str | None, pair: str, default: str) -> Path:
+    return Path(given) if given else Path("data") / pair / default
+
+
+@app.command()
+def ingest(
+    out: Annotated[str | None, typer.Option(help="prefixes.parquet to write.")] = None,
+    params: ParamsOpt = None,
+    profile: ProfileOpt = None,
+    set_: SetOpt = None,
+    pair: PairOverride = None,
+) -> None:
+    """Stage ingest: questions -> reasoning steps -> prefixes.parquet."""
+    from tasks.ingest import run_ingest
+
+    p, cfg = _params(params, profile, set_, pair)
+    path = _or_exit(run_ingest, p.ingest, cfg, _path(out, cfg.name, "prefixes.parquet"))
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+def sample(
+    prefixes: Annotated[str | None, typer.Option(help="prefixes.parquet to read.")] = None,
+    out: Annotated[str | None, typer.Option(help="Folder for samples/<role>/part-*.parquet.")] = None,
+    params: ParamsOpt = None,
+    profile: ProfileOpt = None,
+    set_: SetOpt = None,
+    pair: PairOverride = None,
+) -> None:
+    """Stage sample: N steps per prefix and role with pooled hidden states (Ray actors; resumes)."""
+    from tasks.sample import run_sample
+
+    p, cfg = _params(params, profile, set_, pair)
+    folders = _or_exit(
+        run_sample,
+        p.sample,
+        cfg,
+        _path(prefixes, cfg.name, "prefixes.parquet"),
+        _path(out, cfg.name, "samples"),
+    )
+    typer.echo("wrote " + ", ".join(str(f) for f in folders.values()))
+
+
+@app.command()
+def cluster(
+    samples: Annotated[str | None, typer.Option(help="Samples folder.")] = None,
+    prefixes: Annotated[str | None, typer.Option(help="prefixes.parquet (for the question/prefix).")] = None,
+    out: Annotated[str | None, typer.Option(help="Folder for labels/<role>.parquet.")] = None,
+    params: ParamsOpt = None,
+    profile: ProfileOpt = None,
+    set_: SetOpt = None,
+    pair: PairOverride = None,
+) -> None:
+    """Stage cluster: group samples by meaning with the pair's judge -> semantic-probability labels."""
+    from tasks.cluster import run_cluster
+
+    p, cfg = _params(params, profile, set_, pair)
+    paths = _or_exit(
+        run_cluster,
+        p.cluster,
+        cfg,
+        _path(samples, cfg.name, "samples"),
+        _path(out, cfg.name, "labels"),
+        _path(prefixes, cfg.name, "prefixes.parquet"),
+    )
+    typer.echo("wrote " + ", ".join(str(f) for f in paths.values()))
+
+
+@app.command()
+def train(
+    samples: Annotated[str | None, typer.Option(help="Samples folder.")] = None,
+    labels: Annotated[str | None, typer.Option(help="Labels folder.")] = None,
+    out: Annotated[str | None, typer.Option(help="Folder for the probe checkpoints.")] = None,
+    metrics: Annotated[str | None, typer.Option(help="Test-metrics JSON to write.")] = None,
+    plots: Annotated[str | None, typer.Option(help="Folder for calibration plots.")] = None,
+    params: ParamsOpt = None,
+    profile: ProfileOpt = None,
+    set_: SetOpt = None,
+    pair: PairOverride = None,
+) -> None:
+    """Stage train: fit, evaluate, log to MLflow and register the probes (alias champion)."""
+    from tasks.train import run_train
+
+    p, cfg = _params(params, profile, set_, pair)
+    res = _or_exit(
+        run_train,
+        p.train,
+        cfg,
+        _path(samples, cfg.name, "samples"),
+        _path(labels, cfg.name, "labels"),
+        _path(out, cfg.name, "probes"),
+        Path(metrics) if metrics else Path("reports") / cfg.name / "train_metrics.json",
+        Path(plots) if plots else Path("reports") / cfg.name / "calibration",
+    )
+    typer.echo(metrics_table(res))
+
+
+def metrics_table(res: dict) -> str:
+    """Test metrics of every (role, variant) as a markdown table."""
+    cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]
+    lines = ["| role | variant | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for role, variants in res.items():
+        for v, m in variants.items():
+            cells = [f"{m[c]:.4f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
+            lines.append(f"| {role} | {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _or_exit(fn, *args):

@@ -25,7 +25,7 @@ def _fail(where: str, name: str, msg: str) -> ValueError:
     return ValueError(f"{where}: field '{name}' {msg}")
 
 
-def _from_mapping(cls: type, data: Any, where: str) -> Any:
+def from_mapping(cls: type, data: Any, where: str) -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys with the field name."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
@@ -100,6 +100,7 @@ class JudgeSpec:
     path: str = ""  # Hub id, folder, or package name; defaults to model_id for hub
     device: str = "cpu"
     threshold: float = 0.9  # embedding: cosine at or above which two steps are equivalent
+    numbers_must_match: bool = False  # embedding: steps ending on different numbers are never equivalent
     nli_mode: str = "strict"  # nli: strict (both entail) | lenient (no contradiction, not both neutral)
     batch_size: int = 32
     trust_remote_code: bool = False
@@ -161,9 +162,9 @@ class PairConfig:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
         return cls(
             name=data["name"],
-            draft=_from_mapping(ModelSpec, data["draft"], f"{where}.draft"),
-            target=_from_mapping(ModelSpec, data["target"], f"{where}.target"),
-            judge=_from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
+            draft=from_mapping(ModelSpec, data["draft"], f"{where}.draft"),
+            target=from_mapping(ModelSpec, data["target"], f"{where}.target"),
+            judge=from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
             description=str(data.get("description", "")),
         )
 

@@ -1,0 +1,230 @@
+"""Semantic-equivalence judges and greedy clustering of sampled steps.
+
+Two judges share one interface (:meth:`Judge.cluster`):
+
+* :class:`NLIJudge` — an MNLI sequence classifier doing bidirectional entailment (the paper's
+  DeBERTa-MNLI). ``strict``: a ~ b iff a entails b and b entails a. ``lenient``: neither direction is a
+  contradiction and not both are neutral. Label ids come from the model's ``id2label``.
+* :class:`EmbeddingJudge` — sentence embeddings (MiniLM offline): a ~ b iff their cosine is at least
+  the threshold, or the texts match after normalising whitespace and numbers.
+
+Clustering follows the paper: each sample joins the first cluster whose representative (its first
+member) it is equivalent to, else starts a new cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+
+from models.spec import JudgeSpec
+
+
+def normalize_step(text: str) -> str:
+    """Lower-case, collapse whitespace, drop thousands separators and trailing zeros of decimals."""
+    t = text.strip().lower()
+    t = re.sub(r"(?<=\d),(?=\d{3}\b)", "", t)
+    t = re.sub(r"(\d+)\.0+\b", r"\1", t)
+    t = re.sub(r"(\d+\.\d*?)0+\b", r"\1", t)
+    return re.sub(r"\s+", " ", t)
+
+
+def greedy_cluster(n: int, equivalent: Callable[[int, list[int]], list[bool]]) -> list[int]:
+    """Cluster ids for items 0..n-1: item i joins the first cluster whose representative it is
+    equivalent to (``equivalent(i, reps)`` judges i against every representative at once)."""
+    reps: list[int] = []
+    ids: list[int] = []
+    for i in range(n):
+        hits = equivalent(i, reps) if reps else []
+        j = next((k for k, h in enumerate(hits) if h), None)
+        if j is None:
+            reps.append(i)
+            j = len(reps) - 1
+        ids.append(j)
+    return ids
+
+
+def semantic_entropy(cluster_ids: Sequence[int]) -> float:
+    """-sum_c p_c log p_c over cluster frequencies."""
+    n = len(cluster_ids)
+    if n == 0:
+        return float("nan")
+    counts: dict[int, int] = {}
+    for c in cluster_ids:
+        counts[c] = counts.get(c, 0) + 1
+    return -sum((k / n) * math.log(k / n) for k in counts.values())
+
+
+class Judge:
+    """Common interface: cluster the texts of one prefix."""
+
+    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
+        """Cluster ids for ``texts`` (the valid samples of one prefix); ``premise`` is prepended to each
+        side when the judge is configured to use the question/prefix."""
+        raise NotImplementedError
+
+
+_NUM_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number in a step (its result, in most arithmetic steps), normalised."""
+    nums = _NUM_RE.findall(normalize_step(text))
+    return nums[-1] if nums else None
+
+
+class EmbeddingJudge(Judge):
+    """Cosine similarity of sentence embeddings, plus exact match after normalisation.
+
+    With ``numbers_must_match``, two steps that both contain numbers must also end on the same number:
+    sentence embeddings barely see the difference between "= 84" and "= 85".
+    """
+
+    def __init__(
+        self,
+        encode: Callable[[list[str]], torch.Tensor],
+        threshold: float = 0.9,
+        numbers_must_match: bool = False,
+    ) -> None:
+        if not 0 < threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        self.encode = encode  # texts -> (N, E) embeddings
+        self.threshold = threshold
+        self.numbers_must_match = numbers_must_match
+
+    def numbers_agree(self, a: str, b: str) -> bool:
+        """False only when the number rule is on and the steps end on different numbers."""
+        if not self.numbers_must_match:
+            return True
+        na, nb = last_number(a), last_number(b)
+        return na is None or nb is None or na == nb
+
+    def similarity(self, texts: list[str]) -> torch.Tensor:
+        """(N, N) cosine similarities."""
+        emb = torch.nn.functional.normalize(self.encode(texts).float(), dim=-1)  # (N, E)
+        return emb @ emb.T
+
+    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
+        if not texts:
+            return []
+        sim = self.similarity([premise + t for t in texts])  # (N, N)
+        norm = [normalize_step(t) for t in texts]
+
+        def equivalent(i: int, reps: list[int]) -> list[bool]:
+            return [
+                norm[i] == norm[r]
+                or (float(sim[i, r]) >= self.threshold and self.numbers_agree(texts[i], texts[r]))
+                for r in reps
+            ]
+
+        return greedy_cluster(len(texts), equivalent)
+
+
+class NLIJudge(Judge):
+    """Bidirectional entailment with an MNLI classifier (labels read from ``id2label``)."""
+
+    def __init__(self, model, tokenizer, mode: str = "strict", batch_size: int = 32) -> None:
+        if mode not in ("strict", "lenient"):
+            raise ValueError(f"mode must be 'strict' or 'lenient', got {mode!r}")
+        self.model, self.tokenizer, self.mode, self.batch_size = model.eval(), tokenizer, mode, batch_size
+        labels = {str(v).lower(): int(k) for k, v in model.config.id2label.items()}
+        try:
+            self.entail = next(i for name, i in labels.items() if name.startswith("entail"))
+            self.contra = next(i for name, i in labels.items() if name.startswith("contra"))
+            self.neutral = next(i for name, i in labels.items() if name.startswith("neutral"))
+        except StopIteration:
+            raise ValueError(
+                f"NLI model labels {model.config.id2label} must name entailment, neutral and contradiction"
+            ) from None
+
+    @torch.inference_mode()
+    def predict(self, pairs: list[tuple[str, str]]) -> torch.Tensor:
+        """Predicted label id for each (premise, hypothesis) pair, batched. -> (P,)"""
+        out = []
+        device = next(self.model.parameters()).device
+        for i in range(0, len(pairs), self.batch_size):
+            chunk = pairs[i : i + self.batch_size]
+            enc = self.tokenizer(
+                [a for a, _ in chunk],
+                [b for _, b in chunk],
+                padding=True,
+                truncation=True,
+                return_tensors="pt",
+            ).to(device)
+            out.append(self.model(**enc).logits.argmax(dim=-1).cpu())  # (B,)
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+    def decide(self, ab: int, ba: int) -> bool:
+        """Equivalence from the two directions' labels."""
+        if self.mode == "strict":
+            return ab == self.entail and ba == self.entail
+        return self.contra not in (ab, ba) and not (ab == self.neutral and ba == self.neutral)
+
+    def equivalent_pairs(self, pairs: list[tuple[str, str]]) -> list[bool]:
+        """Symmetric equivalence for each (a, b): both directions judged in one batch."""
+        labels = self.predict(pairs + [(b, a) for a, b in pairs]).tolist()
+        n = len(pairs)
+        return [self.decide(labels[i], labels[n + i]) for i in range(n)]
+
+    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
+        sides = [premise + t for t in texts]
+        return greedy_cluster(
+            len(texts), lambda i, reps: self.equivalent_pairs([(sides[i], sides[r]) for r in reps])
+        )
+
+
+def calibrate(
+    judge: EmbeddingJudge, pairs: list[tuple[bool, str, str]], thresholds: list[float]
+) -> list[dict]:
+    """Accuracy, precision, recall and F1 of ``judge`` on labelled step pairs, per cosine threshold."""
+    texts = [t for _, a, b in pairs for t in (a, b)]
+    sim = judge.similarity(texts)  # (2P, 2P)
+    rows = []
+    for th in thresholds:
+        tp = fp = fn = tn = 0
+        for k, (label, a, b) in enumerate(pairs):
+            pred = normalize_step(a) == normalize_step(b) or (
+                float(sim[2 * k, 2 * k + 1]) >= th and judge.numbers_agree(a, b)
+            )
+            tp, fp, fn, tn = (
+                tp + (pred and label),
+                fp + (pred and not label),
+                fn + (label and not pred),
+                tn + (not pred and not label),
+            )
+        prec = tp / (tp + fp) if tp + fp else 0.0
+        rec = tp / (tp + fn) if tp + fn else 0.0
+        f1 = 2 * prec * rec / (prec + rec) if prec + rec else 0.0
+        rows.append(
+            {"threshold": th, "accuracy": (tp + tn) / len(pairs), "precision": prec, "recall": rec, "f1": f1}
+        )
+    return rows
+
+
+def load_judge(spec: JudgeSpec) -> Judge:
+    """Build the judge a pair's config names (Hub id, local folder, or a package that ships it)."""
+    from models.lm import pick_device, resolve_path
+
+    where = resolve_path(spec.source, spec.path)
+    device = pick_device(spec.device)
+    if spec.kind == "embedding":
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(where, device=str(device), trust_remote_code=spec.trust_remote_code)
+
+        def encode(texts: list[str]) -> torch.Tensor:
+            return st.encode(
+                texts, batch_size=spec.batch_size, convert_to_tensor=True, show_progress_bar=False
+            ).cpu()
+
+        return EmbeddingJudge(encode, spec.threshold, spec.numbers_must_match)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(where, trust_remote_code=spec.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        where, trust_remote_code=spec.trust_remote_code
+    )
+    return NLIJudge(model.to(device), tok, spec.nli_mode, spec.batch_size)

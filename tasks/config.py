@@ -1,0 +1,221 @@
+"""Typed stage configuration, parsed once from ``params.yaml`` (+ a profile + overrides).
+
+Precedence, lowest first: dataclass defaults < ``params.yaml`` < ``conf/profiles/<profile>.yaml``
+< ``--set key=value`` overrides. The ``demo`` profile is CPU-sized; ``paper`` uses the paper's sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.spec import from_mapping, project_root
+
+ROLES = ("draft", "target")
+VARIANTS = ("last", "all", "mix", "random")
+EXECUTORS = ("ray", "local")
+
+
+def _positive(where: str, **values: float) -> None:
+    for k, v in values.items():
+        if not isinstance(v, int | float) or v <= 0:
+            raise ValueError(f"{where}: field '{k}' must be positive, got {v!r}")
+
+
+@dataclass
+class IngestConfig:
+    """Which questions become prefixes."""
+
+    source: str = "arith"  # arith (generated offline set) | s1k
+    domains: list[str] | None = None  # keep only these domains (s1K cot_type); None keeps all
+    max_questions: int = 8  # questions taken (after the domain filter), seeded shuffle
+    max_prefixes_per_question: int = 3  # prefixes kept per question (seeded subset of k = 0..steps-1)
+    split_strategy: str = "paragraph"  # paragraph (\n\n) | sentence
+    generate_traces: bool = False  # have the target write a greedy trace where the data has none
+    trace_max_tokens: int = 256  # token budget of a generated trace
+    seed: int = 0
+    on_error: str = "raise"  # raise | skip (counted) on malformed input rows
+    data_dir: str | None = None  # local data folder (default: $SEMSPEC_DATA_DIR, else the Hub)
+
+    def __post_init__(self) -> None:
+        if self.source not in ("arith", "s1k"):
+            raise ValueError(f"ingest: field 'source' must be 'arith' or 's1k', got {self.source!r}")
+        if self.split_strategy not in ("paragraph", "sentence"):
+            raise ValueError(
+                f"ingest: field 'split_strategy' must be paragraph or sentence, got {self.split_strategy!r}"
+            )
+        _positive(
+            "ingest",
+            max_questions=self.max_questions,
+            max_prefixes_per_question=self.max_prefixes_per_question,
+        )
+
+
+@dataclass
+class SampleConfig:
+    """N continuations per prefix and role, with pooled hidden states."""
+
+    n: int = 20  # samples per prefix (paper: 20)
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_step_tokens: int = 48  # step budget
+    batch_prefixes: int = 2  # prefixes per actor call = rows per shard
+    store_layers: bool = True  # also store h_layers (float16) for the mix probe
+    roles: list[str] = field(default_factory=lambda: list(ROLES))
+    executor: str = "ray"  # ray (actors, one model replica each) | local (in-process, for tests)
+    actors_per_role: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(
+            "sample",
+            n=self.n,
+            max_step_tokens=self.max_step_tokens,
+            batch_prefixes=self.batch_prefixes,
+            actors_per_role=self.actors_per_role,
+        )
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("sample: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
+        if not self.roles or set(self.roles) - set(ROLES):
+            raise ValueError(
+                f"sample: field 'roles' must be a non-empty subset of {ROLES}, got {self.roles!r}"
+            )
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"sample: field 'executor' must be one of {EXECUTORS}, got {self.executor!r}")
+
+
+@dataclass
+class ClusterConfig:
+    """Semantic clustering of the samples of each prefix."""
+
+    batch_prefixes: int = 16  # prefixes per judge-actor call
+    with_question: bool = False  # prepend the question (and prefix) to both sides of each judged pair
+    noise: float = 0.0  # fraction of valid samples moved to a wrong cluster (robustness study)
+    executor: str = "ray"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("cluster", batch_prefixes=self.batch_prefixes)
+        if not 0.0 <= self.noise <= 1.0:
+            raise ValueError(f"cluster: field 'noise' must be in [0, 1], got {self.noise!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"cluster: field 'executor' must be one of {EXECUTORS}, got {self.executor!r}")
+
+
+@dataclass
+class TrainConfig:
+    """Probe training (Lightning) and registration (MLflow)."""
+
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    hidden_target: list[int] = field(default_factory=lambda: [2048, 512])  # paper: D-2048-512-1
+    hidden_draft: list[int] = field(default_factory=lambda: [512, 256])  # paper: D-512-256-1
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01
+    batch_size: int = 64
+    max_epochs: int = 60
+    patience: int = 8  # early stopping on validation MSE
+    val_fraction: float = 0.15  # of questions
+    test_fraction: float = 0.2  # of questions
+    seed: int = 0
+    register: bool = True  # register the probes in the MLflow model registry (alias champion)
+
+    def __post_init__(self) -> None:
+        if not self.variants or set(self.variants) - set(VARIANTS):
+            raise ValueError(
+                f"train: field 'variants' must be a non-empty subset of {VARIANTS}, got {self.variants!r}"
+            )
+        _positive(
+            "train",
+            lr=self.lr,
+            batch_size=self.batch_size,
+            max_epochs=self.max_epochs,
+            patience=self.patience,
+        )
+        if not (
+            0 < self.val_fraction < 1
+            and 0 < self.test_fraction < 1
+            and self.val_fraction + self.test_fraction < 1
+        ):
+            raise ValueError(
+                "train: fields 'val_fraction' and 'test_fraction' must be in (0, 1) and sum below 1"
+            )
+        if len(self.betas) != 2:
+            raise ValueError(f"train: field 'betas' must have two values, got {self.betas!r}")
+
+    def hidden(self, role: str) -> list[int]:
+        """Hidden widths of the probe for ``role``."""
+        return self.hidden_target if role == "target" else self.hidden_draft
+
+
+@dataclass
+class Params:
+    """Everything the pipeline reads, for one run."""
+
+    pair: str = "embedded"
+    profile: str = "demo"
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (for logging)."""
+        return asdict(self)
+
+
+_SECTIONS = {"ingest": IngestConfig, "sample": SampleConfig, "cluster": ClusterConfig, "train": TrainConfig}
+_EXTRA_KEYS = {"evaluate", "decode", "services", "retrain"}  # owned by later stages; passed through
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in (over or {}).items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set(d: dict, dotted: str) -> None:
+    key, sep, raw = dotted.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {dotted!r} must look like section.key=value")
+    node = d
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def profiles_dir() -> Path:
+    """Folder of the profile overlays."""
+    return project_root() / "conf" / "profiles"
+
+
+def load_params(
+    path: str | Path | None = None, profile: str | None = None, overrides: list[str] | None = None
+) -> Params:
+    """Parse ``params.yaml``, overlay the profile, apply ``section.key=value`` overrides, validate."""
+    p = Path(path) if path else project_root() / "params.yaml"
+    raw: dict = {}
+    if p.is_file():
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    elif path:
+        raise ValueError(f"params file {p} not found")
+    prof = profile or raw.get("profile") or "demo"
+    prof_file = profiles_dir() / f"{prof}.yaml"
+    if not prof_file.is_file():
+        known = sorted(f.stem for f in profiles_dir().glob("*.yaml"))
+        raise ValueError(f"unknown profile {prof!r}; available: {', '.join(known)}")
+    merged = _merge(raw, yaml.safe_load(prof_file.read_text(encoding="utf-8")) or {})
+    merged["profile"] = prof
+    for o in overrides or []:
+        _set(merged, o)
+    unknown = sorted(set(merged) - set(_SECTIONS) - {"pair", "profile"} - _EXTRA_KEYS)
+    if unknown:
+        raise ValueError(f"{p}: unknown top-level key(s) {unknown}")
+    sections = {k: from_mapping(cls, merged.get(k) or {}, k) for k, cls in _SECTIONS.items()}
+    return Params(pair=str(merged.get("pair", "embedded")), profile=prof, **sections)

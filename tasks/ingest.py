@@ -1,0 +1,99 @@
+"""Stage ``ingest``: questions -> reasoning chains -> prefixes (question + first k steps)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from models.lm import LM, load_lm
+from models.spec import PairConfig
+from tasks.config import IngestConfig
+from tasks.data import MAX_STEPS, Problem, build_prefixes, generate_arith, load_s1k, split_steps
+from tasks.io import write_parquet_atomic
+
+log = logging.getLogger(__name__)
+
+PREFIX_SCHEMA = pa.schema(
+    [
+        ("prefix_id", pa.string()),
+        ("question_id", pa.string()),
+        ("source", pa.string()),
+        ("domain", pa.string()),
+        ("step_index", pa.int32()),
+        ("question", pa.string()),
+        ("context", pa.string()),
+    ]
+)
+
+
+def select_problems(cfg: IngestConfig) -> list[Problem]:
+    """The questions to ingest: the generated arithmetic train split, or s1K filtered by domain."""
+    if cfg.source == "arith":
+        return generate_arith(cfg.max_questions, "train", seed=cfg.seed)
+    problems = load_s1k(data_dir=cfg.data_dir, on_error=cfg.on_error).problems
+    if cfg.domains:
+        problems = [p for p in problems if p.domain in cfg.domains]
+        if not problems:
+            raise ValueError(
+                f"ingest: no s1K question has a domain in {cfg.domains} (this copy may lack cot_type: "
+                f"its domain is 'unknown')"
+            )
+    random.Random(cfg.seed).shuffle(problems)
+    return problems[: cfg.max_questions]
+
+
+def write_trace(lm: LM, question: str, max_tokens: int) -> str:
+    """A greedy reasoning trace written by ``lm``, step by step, within ``max_tokens``."""
+    state = lm.prefill(lm.format_prompt(question))
+    text, used = "", 0
+    while used < max_tokens:
+        step = lm.generate_step(
+            state, n=1, temperature=0.0, max_tokens=min(lm.spec.max_step_tokens, max_tokens - used)
+        )[0]
+        used += step.num_tokens
+        if step.text:
+            text += step.text
+            state = lm.prefill(step.text, state)
+        if step.finish_reason == "eos" or not step.text:
+            break
+    return text
+
+
+def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM | None = None) -> Path:
+    """Build ``prefixes.parquet`` at ``out_path``. ``target`` (loaded on demand) writes missing traces."""
+    problems = select_problems(cfg)
+    rng = random.Random(cfg.seed)
+    rows, too_long, no_chain, generated = [], 0, 0, 0
+    for prob in tqdm(problems, desc="ingest", unit="question"):
+        chain = prob.trace
+        if chain is None and cfg.generate_traces:
+            target = target or load_lm(pair.target)
+            chain = write_trace(target, prob.question, cfg.trace_max_tokens)
+            generated += 1
+        chain = chain if chain is not None else prob.solution
+        steps = split_steps(chain, cfg.split_strategy)
+        if not steps:
+            no_chain += 1
+            continue
+        if len(steps) >= MAX_STEPS:
+            too_long += 1
+            continue
+        prefixes = build_prefixes(prob, steps, cfg.max_prefixes_per_question, pair.target.delimiter, rng=rng)
+        rows.extend(asdict(p) for p in prefixes)
+    if not rows:
+        raise ValueError(f"ingest produced no prefixes from {len(problems)} question(s)")
+    log.info(
+        "ingest: %d prefixes from %d questions (%d traces generated, %d chains of %d+ steps dropped, %d empty)",
+        len(rows),
+        len(problems),
+        generated,
+        too_long,
+        MAX_STEPS,
+        no_chain,
+    )
+    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=PREFIX_SCHEMA), out_path)

@@ -1,0 +1,118 @@
+"""Artifact I/O: atomic Parquet writes, shard folders, stage manifests and data hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+
+def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
+    """Write ``table`` to ``path`` via a temp file in the same folder and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(obj: Any, path: Path) -> Path:
+    """Write JSON atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """Complete shards of a folder (temp files of an interrupted write are ignored)."""
+    return sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
+
+
+def read_shards(folder: Path, columns: list[str] | None = None) -> pa.Table:
+    """All shards of ``folder`` as one table; a clear error when there are none."""
+    paths = shard_paths(folder)
+    if not paths:
+        raise ValueError(f"no shards (part-*.parquet) in {folder}: run the stage that writes them first")
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
+
+
+def fixed_list(values: np.ndarray, dtype: pa.DataType) -> pa.FixedSizeListArray:
+    """(N, D) array -> a fixed-size-list column of D values per row."""
+    n, d = values.shape
+    flat = pa.array(values.reshape(-1), type=dtype)
+    return pa.FixedSizeListArray.from_arrays(flat, d) if n else pa.array([], type=pa.list_(dtype, d))
+
+
+def column_matrix(table: pa.Table, name: str, dtype=np.float32) -> np.ndarray:
+    """A fixed-size-list column -> (N, D) numpy array."""
+    col = table.column(name).combine_chunks()
+    d = col.type.list_size
+    return col.values.to_numpy(zero_copy_only=False).astype(dtype).reshape(len(col), d)
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able config."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def ensure_manifest(folder: Path, manifest: dict[str, Any]) -> bool:
+    """Make ``folder`` belong to ``manifest`` (the settings its shards were made with).
+
+    Returns True when existing shards can be resumed; when the folder was made with other settings
+    its shards are stale and the folder is emptied.
+    """
+    mpath = folder / "_manifest.json"
+    if mpath.is_file() and json.loads(mpath.read_text()) == json.loads(json.dumps(manifest, default=str)):
+        for tmp in folder.glob(".*.tmp"):  # left by a write that was killed
+            tmp.unlink(missing_ok=True)
+        return True
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    write_json_atomic(manifest, mpath)
+    return False
+
+
+def file_md5(path: Path) -> str:
+    """MD5 of a file's bytes."""
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_hash(path: Path, lock: Path | None = None) -> str:
+    """The DVC hash of an output when ``dvc.lock`` records it, else an MD5 over the files' MD5s."""
+    lock = lock or Path("dvc.lock")
+    if lock.is_file():
+        try:
+            stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+            for st in stages.values():
+                for out in st.get("outs", []):
+                    if (lock.parent / out.get("path", "")).resolve() == path.resolve() and out.get("md5"):
+                        return f"dvc:{out['md5']}"
+        except (yaml.YAMLError, AttributeError):
+            pass
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    h = hashlib.md5()
+    for f in files:
+        h.update(f"{f.relative_to(path.parent if path.is_file() else path)}:{file_md5(f)}".encode())
+    return f"md5:{h.hexdigest()}"

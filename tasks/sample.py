@@ -1,0 +1,256 @@
+"""Stage ``sample``: N continuations per prefix and role, with pooled hidden states, via Ray actors.
+
+Each actor holds one model replica and takes batches of prefixes; the driver writes one shard per
+batch atomically, so re-running after a crash samples only the prefixes with no complete shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+
+from models.lm import LM, load_lm
+from models.spec import ModelSpec, PairConfig
+from tasks.config import SampleConfig
+from tasks.io import ensure_manifest, file_md5, fixed_list, shard_paths, write_parquet_atomic
+
+log = logging.getLogger(__name__)
+
+
+def sample_seed(seed: int, role: str, prefix_id: str) -> int:
+    """Per-prefix seed: results do not depend on how prefixes are batched."""
+    return int(hashlib.sha1(f"{seed}:{role}:{prefix_id}".encode()).hexdigest()[:15], 16)
+
+
+def sample_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
+    """Sample ``cfg.n`` steps for each prefix row -> one table (the shard of these prefixes)."""
+    recs: dict[str, list] = {
+        k: [] for k in ("prefix_id", "question_id", "sample_idx", "text", "num_tokens", "finish_reason")
+    }
+    h_last, h_mean, h_layers = [], [], []
+    for row in prefixes:
+        context = lm.format_prompt(row["question"]) + row["context"]
+        samples = lm.generate_step(
+            context,
+            n=cfg.n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_step_tokens,
+            seed=sample_seed(cfg.seed, role, row["prefix_id"]),
+        )
+        for i, s in enumerate(samples):
+            recs["prefix_id"].append(row["prefix_id"])
+            recs["question_id"].append(row["question_id"])
+            recs["sample_idx"].append(i)
+            recs["text"].append(s.text)
+            recs["num_tokens"].append(s.num_tokens)
+            recs["finish_reason"].append(s.finish_reason)
+            h_last.append(s.pooled.h_last.numpy())
+            h_mean.append(s.pooled.h_mean.numpy())
+            if cfg.store_layers:
+                h_layers.append(s.pooled.h_layers.reshape(-1).numpy())
+    n = len(recs["prefix_id"])
+    cols = {
+        "prefix_id": pa.array(recs["prefix_id"], pa.string()),
+        "question_id": pa.array(recs["question_id"], pa.string()),
+        "role": pa.array([role] * n, pa.string()),
+        "model_id": pa.array([lm.model_id] * n, pa.string()),
+        "sample_idx": pa.array(recs["sample_idx"], pa.int32()),
+        "text": pa.array(recs["text"], pa.string()),
+        "num_tokens": pa.array(recs["num_tokens"], pa.int32()),
+        "finish_reason": pa.array(recs["finish_reason"], pa.string()),
+        "h_last": fixed_list(np.stack(h_last), pa.float32()),  # (N, D)
+        "h_mean": fixed_list(np.stack(h_mean), pa.float32()),  # (N, D)
+    }
+    if cfg.store_layers:
+        cols["h_layers"] = fixed_list(np.stack(h_layers).astype(np.float16), pa.float16())  # (N, (L+1)*D)
+    return pa.table(cols)
+
+
+class SamplerActor:
+    """Holds one model replica (created as a Ray actor, or in-process by the local executor)."""
+
+    def __init__(self, spec: ModelSpec, threads: int | None = None, lm: LM | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.lm = lm or load_lm(spec)
+
+    def set_threads(self, threads: int) -> None:
+        """Use ``threads`` intra-op threads from the next call on (rebalanced when other actors finish)."""
+        torch.set_num_threads(threads)
+
+    def sample(self, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
+        """One batch of prefixes -> its shard."""
+        return sample_rows(self.lm, role, prefixes, cfg)
+
+
+def shard_name(prefix_ids: list[str]) -> str:
+    """Deterministic shard file name for a batch of prefixes."""
+    return f"part-{hashlib.sha1(','.join(sorted(prefix_ids)).encode()).hexdigest()[:16]}.parquet"
+
+
+def done_prefixes(folder: Path) -> set[str]:
+    """Prefix ids that already have a complete shard in ``folder``."""
+    done: set[str] = set()
+    for p in shard_paths(folder):
+        done.update(pq.read_table(p, columns=["prefix_id"]).column("prefix_id").to_pylist())
+    return done
+
+
+def _batches(rows: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    for i in range(0, len(rows), size):
+        yield rows[i : i + size]
+
+
+def run_sample(
+    cfg: SampleConfig,
+    pair: PairConfig,
+    prefixes_path: Path,
+    out_dir: Path,
+    lms: dict[str, LM] | None = None,
+) -> dict[str, Path]:
+    """Sample every prefix for every role into ``out_dir/<role>/part-*.parquet``; resumes.
+
+    ``lms`` gives already-loaded models to the local executor (tests, notebooks).
+    """
+    prefixes = pq.read_table(prefixes_path).to_pylist()
+    if not prefixes:
+        raise ValueError(f"{prefixes_path} has no prefixes")
+    folders: dict[str, Path] = {}
+    work: list[tuple[str, list[dict[str, Any]]]] = []
+    for role in cfg.roles:
+        spec = pair.role(role)
+        folder = out_dir / role
+        manifest = {
+            "pair": pair.name,
+            "model_id": spec.model_id,
+            "spec": asdict(spec),
+            "sample": asdict(cfg),
+            "prefixes_md5": file_md5(Path(prefixes_path)),
+        }
+        manifest["sample"].pop("executor")
+        manifest["sample"].pop("actors_per_role")
+        manifest["sample"].pop("batch_prefixes")
+        resumed = ensure_manifest(folder, manifest)
+        done = done_prefixes(folder) if resumed else set()
+        todo = [r for r in prefixes if r["prefix_id"] not in done]
+        log.info(
+            "sample[%s]: %d prefixes, %d already sampled, %d to do", role, len(prefixes), len(done), len(todo)
+        )
+        work.extend((role, b) for b in _batches(todo, cfg.batch_prefixes))
+        folders[role] = folder
+    total = sum(len(b) for _, b in work)
+    if total:
+        runner = _run_local if cfg.executor == "local" else _run_ray
+        runner(cfg, pair, work, folders, total, lms or {})
+    for role, folder in folders.items():
+        _check_complete(folder, {r["prefix_id"] for r in prefixes}, cfg.n, role)
+    return folders
+
+
+def _write(folder: Path, batch: list[dict[str, Any]], table: pa.Table) -> None:
+    write_parquet_atomic(table, folder / shard_name([r["prefix_id"] for r in batch]))
+
+
+class _Progress:
+    """prefixes done / total, samples per second, ETA."""
+
+    def __init__(self, total: int, n: int) -> None:
+        self.bar = tqdm(total=total, desc="sample", unit="prefix")
+        self.n, self.t0, self.samples = n, time.perf_counter(), 0
+
+    def update(self, prefixes: int) -> None:
+        self.samples += prefixes * self.n
+        self.bar.update(prefixes)
+        self.bar.set_postfix(samples_per_s=f"{self.samples / (time.perf_counter() - self.t0):.2f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _run_local(cfg, pair, work, folders, total, lms) -> None:
+    actors: dict[str, SamplerActor] = {}
+    prog = _Progress(total, cfg.n)
+    try:
+        for role, batch in work:
+            if role not in actors:
+                actors[role] = SamplerActor(pair.role(role), lm=lms.get(role))
+            _write(folders[role], batch, actors[role].sample(role, batch, cfg))
+            prog.update(len(batch))
+    finally:
+        prog.close()
+
+
+def _run_ray(cfg, pair, work, folders, total, lms) -> None:
+    import ray
+
+    from tasks.ray_utils import init_ray
+
+    init_ray()
+    roles = sorted({r for r, _ in work})
+    n_actors = len(roles) * cfg.actors_per_role
+    total_cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
+    cpus = max(1, total_cpus // n_actors)
+    remote_cls = ray.remote(SamplerActor)
+    pools: dict[str, list] = {}
+    for role in roles:
+        spec = pair.role(role)
+        opts = {"num_cpus": cpus, "num_gpus": 1 if spec.uses_cuda else 0}
+        pools[role] = [remote_cls.options(**opts).remote(spec, cpus) for _ in range(cfg.actors_per_role)]
+    queue = {role: [b for r, b in work if r == role] for role in roles}
+    idle = {role: list(pools[role]) for role in roles}
+    pending: dict[Any, tuple[str, Any, list]] = {}
+    prog = _Progress(total, cfg.n)
+    try:
+        while pending or any(queue.values()):
+            for role in roles:  # keep every actor busy with one batch
+                while idle[role] and queue[role]:
+                    actor, batch = idle[role].pop(), queue[role].pop(0)
+                    pending[actor.sample.remote(role, batch, cfg)] = (role, actor, batch)
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            role, actor, batch = pending.pop(ready[0])
+            _write(folders[role], batch, ray.get(ready[0]))
+            prog.update(len(batch))
+            idle[role].append(actor)
+            if not queue[role] and not any(r == role for r, _, _ in pending.values()) and pools[role]:
+                # this role is done: free its replicas and give their cores to the others
+                for a in pools.pop(role):
+                    ray.kill(a)
+                idle[role] = []
+                live = [a for actors in pools.values() for a in actors]
+                for a in live:
+                    a.set_threads.remote(max(1, total_cpus // len(live)))
+    finally:
+        prog.close()
+        for actors in pools.values():
+            for a in actors:
+                ray.kill(a)
+
+
+def _check_complete(folder: Path, expected: set[str], n: int, role: str) -> None:
+    """Exactly ``n`` rows per expected prefix, no duplicate (prefix_id, sample_idx)."""
+    tbl = pa.concat_tables(
+        [pq.read_table(p, columns=["prefix_id", "sample_idx"]) for p in shard_paths(folder)]
+    )
+    pids = tbl.column("prefix_id").to_pylist()
+    keys = set(zip(pids, tbl.column("sample_idx").to_pylist(), strict=True))
+    if len(keys) != len(pids):
+        raise RuntimeError(f"sample[{role}]: duplicate rows in {folder}")
+    missing = expected - set(pids)
+    if missing or len(pids) != n * len(expected):
+        raise RuntimeError(
+            f"sample[{role}]: {len(missing)} prefixes missing, {len(pids)} rows for "
+            f"{len(expected)} prefixes x {n} in {folder}"
+        )

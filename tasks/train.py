@@ -1,0 +1,333 @@
+"""Stage ``train``: fit one probe per (role, feature variant) with Lightning, track it in MLflow,
+register it as ``semspec-<pair>-<role>-<variant>`` with alias ``champion``.
+
+Train/validation/test splits are made **by question**: no prefix of a test question is trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from models.probe import ProbeMLP, RandomProbe
+from models.spec import PairConfig, project_root
+from tasks.config import TrainConfig
+from tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+FEATURE_COLUMN = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
+ECE_BINS = 10
+
+
+@dataclass
+class ProbeData:
+    """Features and labels of one role, aligned row by row."""
+
+    x: dict[str, np.ndarray]  # variant -> (N, D) or (N, L+1, D)
+    y: np.ndarray  # (N,) semantic probability
+    in_largest: np.ndarray  # (N,) bool: sample is in its prefix's largest cluster
+    question_id: np.ndarray  # (N,)
+    model_id: str
+    hidden_size: int
+    num_layers: int  # L+1 hidden-state layers
+
+
+def load_probe_data(samples_dir: Path, labels_path: Path, variants: list[str]) -> ProbeData:
+    """Join a role's samples (features) with its labels on (prefix_id, sample_idx)."""
+    feats = [FEATURE_COLUMN[v] for v in variants if v != "random"] or ["h_mean"]
+    cols = ["prefix_id", "sample_idx", "question_id", "model_id", "h_mean", *feats]
+    samples = read_shards(samples_dir, columns=list(dict.fromkeys(cols)))
+    labels = pq.read_table(labels_path).to_pylist()
+    if not labels:
+        raise ValueError(f"{labels_path} has no labelled samples (all invalid?)")
+    index = {
+        (p, s): i
+        for i, (p, s) in enumerate(
+            zip(
+                samples.column("prefix_id").to_pylist(), samples.column("sample_idx").to_pylist(), strict=True
+            )
+        )
+    }
+    try:
+        rows = np.array([index[(r["prefix_id"], r["sample_idx"])] for r in labels])
+    except KeyError as e:
+        raise ValueError(
+            f"label {e} has no sample in {samples_dir}: samples and labels are out of date"
+        ) from None
+    d = samples.column("h_mean").type.list_size
+    x = {}
+    for v in variants:
+        col = FEATURE_COLUMN.get(v, "h_mean")
+        m = column_matrix(samples, col)[rows]
+        x[v] = m.reshape(len(rows), -1, d) if v == "mix" else m
+    n_layers = x["mix"].shape[1] if "mix" in x else 0
+    return ProbeData(
+        x=x,
+        y=np.array([r["semantic_prob"] for r in labels], dtype=np.float32),
+        in_largest=np.array([r["in_largest"] for r in labels], dtype=bool),
+        question_id=np.array(samples.column("question_id").to_pylist())[rows],
+        model_id=samples.column("model_id")[0].as_py(),
+        hidden_size=d,
+        num_layers=n_layers,
+    )
+
+
+def split_by_question(
+    question_ids: np.ndarray, val_fraction: float, test_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
+    """Boolean masks train/val/test over rows, with every question in exactly one split."""
+    qs = sorted(set(question_ids.tolist()))
+    if len(qs) < 3:
+        raise ValueError(f"need at least 3 distinct questions to split by question, got {len(qs)}")
+    random.Random(seed).shuffle(qs)
+    n_test = max(1, round(test_fraction * len(qs)))
+    n_val = max(1, round(val_fraction * len(qs)))
+    parts = {
+        "test": set(qs[:n_test]),
+        "val": set(qs[n_test : n_test + n_val]),
+        "train": set(qs[n_test + n_val :]),
+    }
+    return {k: np.isin(question_ids, list(v)) for k, v in parts.items()}
+
+
+def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> dict[str, float]:
+    """MSE, MAE, Spearman, Brier and AUROC for 'in the largest cluster', ECE of predicted vs observed
+    semantic probability (10 equal-width bins)."""
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
+
+    bins = np.minimum((pred * ECE_BINS).astype(int), ECE_BINS - 1)
+    ece = sum(abs(pred[bins == b].mean() - y[bins == b].mean()) * (bins == b).mean() for b in np.unique(bins))
+    rho = spearmanr(pred, y).statistic if np.std(pred) > 0 and np.std(y) > 0 else float("nan")
+    auroc = roc_auc_score(in_largest, pred) if 0 < in_largest.mean() < 1 else float("nan")
+    return {
+        "mse": float(np.mean((pred - y) ** 2)),
+        "mae": float(np.mean(np.abs(pred - y))),
+        "spearman": float(rho),
+        "brier": float(np.mean((pred - in_largest.astype(np.float32)) ** 2)),
+        "ece": float(ece),
+        "auroc": float(auroc),
+        "n": len(y),
+    }
+
+
+def calibration_figure(pred: np.ndarray, y: np.ndarray, title: str):
+    """Reliability diagram: mean observed semantic probability per predicted-probability bin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = np.minimum((pred * ECE_BINS).astype(int), ECE_BINS - 1)
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect")
+    xs = [pred[bins == b].mean() for b in np.unique(bins)]
+    ys = [y[bins == b].mean() for b in np.unique(bins)]
+    counts = [(bins == b).sum() for b in np.unique(bins)]
+    ax.scatter(xs, ys, s=[10 + 3 * c for c in counts], label="bins (size ~ count)")
+    ax.plot(xs, ys)
+    ax.set(
+        xlabel="predicted semantic probability",
+        ylabel="observed semantic probability",
+        xlim=(0, 1),
+        ylim=(0, 1),
+        title=title,
+    )
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+class _MlflowEpochs(L.Callback):
+    """Per-epoch train/val MSE into the active MLflow run."""
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        import mlflow
+
+        m = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_mse", "val_mse")}
+        if m and not trainer.sanity_checking:
+            mlflow.log_metrics(m, step=trainer.current_epoch)
+
+
+def fit_probe(
+    data: ProbeData,
+    variant: str,
+    role: str,
+    masks: dict[str, np.ndarray],
+    cfg: TrainConfig,
+    log_epochs: bool = False,
+) -> nn.Module:
+    """Train one probe (or build the Random one) on the train split, early-stopped on validation MSE."""
+    if variant == "random":
+        return RandomProbe(data.hidden_size, "all", seed=cfg.seed)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    x = torch.from_numpy(data.x[variant]).float()
+    y = torch.from_numpy(data.y)
+    probe = ProbeMLP(
+        data.hidden_size,
+        cfg.hidden(role),
+        variant,
+        data.num_layers or None,
+        cfg.lr,
+        tuple(cfg.betas),
+        cfg.weight_decay,
+    )
+    tr, va = torch.from_numpy(masks["train"]), torch.from_numpy(masks["val"])
+    probe.set_standardization(x[tr])
+    train_dl = DataLoader(TensorDataset(x[tr], y[tr]), batch_size=cfg.batch_size, shuffle=True)
+    val_dl = DataLoader(TensorDataset(x[va], y[va]), batch_size=1024)
+    ckpt_dir = tempfile.mkdtemp(prefix="semspec-probe-")
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(
+        monitor="val_mse",
+        mode="min",
+        save_top_k=1,
+        save_weights_only=True,
+        dirpath=ckpt_dir,
+        enable_version_counter=False,
+    )
+    callbacks = [L.pytorch.callbacks.EarlyStopping("val_mse", patience=cfg.patience, mode="min"), ckpt]
+    if log_epochs:
+        callbacks.append(_MlflowEpochs())
+    trainer = L.Trainer(
+        max_epochs=cfg.max_epochs,
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=str(project_root() / ".cache" / "lightning"),
+    )
+    trainer.fit(probe, train_dl, val_dl)
+    best = ProbeMLP(**probe.hparams)  # a clean module (no trainer attached) with the best weights
+    state = probe.state_dict()
+    if ckpt.best_model_path:
+        state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    best.load_state_dict(state)
+    return best.eval()
+
+
+@torch.inference_mode()
+def predict(probe: nn.Module, x: np.ndarray) -> np.ndarray:
+    """Probe outputs for rows ``x``."""
+    return probe(torch.from_numpy(x).float()).numpy()
+
+
+def git_commit() -> str:
+    """HEAD's commit, or 'unknown' outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=project_root()
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_train(
+    cfg: TrainConfig,
+    pair: PairConfig,
+    samples_dir: Path,
+    labels_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+    plots_dir: Path,
+    roles: list[str] | None = None,
+) -> dict[str, Any]:
+    """Train, evaluate on the held-out questions, log to MLflow and register every probe.
+
+    Writes ``out_dir/<role>-<variant>.pt``, the test metrics to ``metrics_path`` and calibration plots
+    to ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
+    """
+    import mlflow
+
+    from tasks.registry import register_probe, setup_experiment
+
+    roles = roles or sorted(p.stem for p in labels_dir.glob("*.parquet"))
+    if not roles:
+        raise ValueError(f"no labels in {labels_dir}: run the cluster stage first")
+    setup_experiment(pair.name)
+    commit = git_commit()
+    all_metrics: dict[str, Any] = {}
+    for role in roles:
+        data = load_probe_data(samples_dir / role, labels_dir / f"{role}.parquet", cfg.variants)
+        masks = split_by_question(data.question_id, cfg.val_fraction, cfg.test_fraction, cfg.seed)
+        hashes = {
+            "samples": data_hash(samples_dir / role),
+            "labels": data_hash(labels_dir / f"{role}.parquet"),
+        }
+        all_metrics[role] = {}
+        for variant in cfg.variants:
+            tags = {
+                "stage": "train",
+                "pair": pair.name,
+                "role": role,
+                "variant": variant,
+                "model_id": data.model_id,
+                "git_commit": commit,
+            }
+            with mlflow.start_run(run_name=f"probe-{role}-{variant}", tags=tags):
+                mlflow.log_params(
+                    {
+                        "pair": pair.name,
+                        "role": role,
+                        "variant": variant,
+                        "feature": FEATURE_COLUMN.get(variant, "none"),
+                        "hidden": cfg.hidden(role) if variant != "random" else [],
+                        "lr": cfg.lr,
+                        "betas": cfg.betas,
+                        "weight_decay": cfg.weight_decay,
+                        "batch_size": cfg.batch_size,
+                        "seed": cfg.seed,
+                        "max_epochs": cfg.max_epochs,
+                        "patience": cfg.patience,
+                        "samples_hash": hashes["samples"],
+                        "labels_hash": hashes["labels"],
+                        "n_train": int(masks["train"].sum()),
+                        "n_val": int(masks["val"].sum()),
+                        "n_test": int(masks["test"].sum()),
+                    }
+                )
+                probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
+                te = masks["test"]
+                pred = predict(probe, data.x[variant][te])
+                metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
+                mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if np.isfinite(v)})
+                fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {variant}")
+                plots_dir.mkdir(parents=True, exist_ok=True)
+                fig.savefig(plots_dir / f"calibration-{role}-{variant}.png", dpi=90)
+                mlflow.log_figure(fig, "calibration.png")
+                out_dir.mkdir(parents=True, exist_ok=True)
+                torch.save(
+                    {
+                        "state_dict": probe.state_dict(),
+                        "variant": variant,
+                        "role": role,
+                        "hparams": dict(getattr(probe, "hparams", {})),
+                        "model_id": data.model_id,
+                    },
+                    out_dir / f"{role}-{variant}.pt",
+                )
+                if cfg.register:
+                    version = register_probe(probe, pair.name, role, variant, data, hashes, commit)
+                    metrics["registered_version"] = int(version)
+                all_metrics[role][variant] = metrics
+                log.info("train[%s/%s]: %s", role, variant, {k: round(v, 4) for k, v in metrics.items()})
+    write_json_atomic(all_metrics, metrics_path)
+    write_json_atomic({"params": asdict(cfg), "roles": roles}, out_dir / "_manifest.json")
+    return all_metrics

@@ -1,0 +1,151 @@
+"""Judges and clustering: bidirectional NLI with labels from id2label, embeddings, greedy clusters."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+from models.judges import EmbeddingJudge, NLIJudge, greedy_cluster, normalize_step, semantic_entropy
+from tests.helpers.tiny import char_tokenizer
+
+
+class StubNLI(torch.nn.Module):
+    """An MNLI 'model' whose label comes from a lookup on (premise, hypothesis)."""
+
+    def __init__(self, id2label: dict[int, str], table: dict[tuple[str, str], str], tok) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(id2label=id2label)
+        self.table, self.tok = table, tok
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.label2id = {v: k for k, v in id2label.items()}
+        self.calls: list[tuple[str, str]] = []
+
+    def forward(self, input_ids, **kw):
+        logits = torch.zeros(input_ids.shape[0], len(self.label2id))
+        for b in range(input_ids.shape[0]):
+            a, h = self._pair(input_ids[b])
+            self.calls.append((a, h))
+            neutral = next(v for v in self.label2id if v.lower() == "neutral")
+            logits[b, self.label2id[self.table.get((a, h), neutral)]] = 5.0
+        return SimpleNamespace(logits=logits)
+
+    def _pair(self, ids):
+        text = self.tok.decode(ids, skip_special_tokens=False).replace("<pad>", "")
+        a, h = text.replace("<s>", "").split("</s>")[:2]
+        return a, h
+
+
+def _tok():
+    from tokenizers import processors
+
+    tok = char_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A </s> $B", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    return tok
+
+
+@pytest.mark.parametrize(
+    "order", [("CONTRADICTION", "NEUTRAL", "ENTAILMENT"), ("entailment", "neutral", "contradiction")]
+)
+def test_nli_reads_labels_from_id2label(order):
+    tok = _tok()
+    id2label = dict(enumerate(order))
+    table = {
+        ("a", "b"): "ENTAILMENT",
+        ("b", "a"): "ENTAILMENT",
+        ("a", "c"): "ENTAILMENT",
+        ("c", "a"): "NEUTRAL",
+    }
+    table = {k: next(n for n in order if n.lower() == v.lower()) for k, v in table.items()}
+    judge = NLIJudge(StubNLI(id2label, table, tok), tok, mode="strict")
+    assert judge.equivalent_pairs([("a", "b"), ("a", "c"), ("b", "c")]) == [True, False, False]
+    assert judge.cluster(["a", "b", "c"]) == [0, 0, 1]
+
+
+def test_nli_lenient_mode():
+    tok = _tok()
+    id2label = {0: "ENTAILMENT", 1: "NEUTRAL", 2: "CONTRADICTION"}
+    table = {
+        ("a", "c"): "ENTAILMENT",
+        ("c", "a"): "NEUTRAL",
+        ("a", "d"): "CONTRADICTION",
+        ("d", "a"): "ENTAILMENT",
+    }
+    judge = NLIJudge(StubNLI(id2label, table, tok), tok, mode="lenient")
+    # entail + neutral: equivalent; contradiction either way: not; neutral both ways: not
+    assert judge.equivalent_pairs([("a", "c"), ("a", "d"), ("x", "y")]) == [True, False, False]
+
+
+def test_nli_rejects_models_without_mnli_labels():
+    tok = _tok()
+    with pytest.raises(ValueError, match="entailment"):
+        NLIJudge(StubNLI({0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}, {}, tok), tok)
+
+
+def test_tiny_deberta_judge_is_symmetric_and_batched():
+    tok = _tok()
+    cfg = DebertaV2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=3,
+        pad_token_id=0,
+        id2label={0: "NEUTRAL", 1: "CONTRADICTION", 2: "ENTAILMENT"},
+        label2id={"NEUTRAL": 0, "CONTRADICTION": 1, "ENTAILMENT": 2},
+    )
+    torch.manual_seed(0)
+    model = DebertaV2ForSequenceClassification(cfg)
+    texts = ["x = 3 + 4 = 7", "so we get 7", "the total is 12", "add them: 3+4", "7 apples"]
+    judges = {m: NLIJudge(model, tok, mode=m, batch_size=3) for m in ("strict", "lenient")}
+    pairs = [(a, b) for a in texts for b in texts if a != b]
+    for judge in judges.values():
+        assert (judge.entail, judge.contra, judge.neutral) == (2, 1, 0)
+        ab = judge.equivalent_pairs(pairs)
+        ba = judge.equivalent_pairs([(b, a) for a, b in pairs])
+        assert ab == ba, "bidirectional judgement must not depend on the order of the pair"
+        ids = judge.cluster(texts, premise="Q: 3+4?\n")
+        assert len(ids) == len(texts) and ids[0] == 0
+
+
+def test_embedding_judge_threshold_and_exact_match():
+    vecs = {
+        "a": [1.0, 0.0],
+        "a'": [0.99, 0.14],
+        "b": [0.0, 1.0],
+        "The total is 1,000.0": [0.5, -1.0],
+        "the  total is 1000": [-0.5, 1.0],
+    }
+    judge = EmbeddingJudge(lambda ts: torch.tensor([vecs[t] for t in ts]), threshold=0.95)
+    assert judge.cluster(["a", "a'", "b"]) == [0, 0, 1]
+    assert EmbeddingJudge(judge.encode, threshold=0.999).cluster(["a", "a'", "b"]) == [0, 1, 2]
+    # different embeddings, same text after normalising case, spaces and numbers
+    assert judge.cluster(["The total is 1,000.0", "the  total is 1000"]) == [0, 0]
+    with pytest.raises(ValueError, match="threshold"):
+        EmbeddingJudge(judge.encode, threshold=0)
+
+
+def test_greedy_cluster_uses_first_matching_representative():
+    # equivalence by parity; each item compares against the representatives only
+    seen = []
+
+    def eq(i, reps):
+        seen.append((i, tuple(reps)))
+        return [i % 2 == r % 2 for r in reps]
+
+    assert greedy_cluster(5, eq) == [0, 1, 0, 1, 0]
+    assert seen[-1] == (4, (0, 1))
+
+
+def test_semantic_entropy_and_normalisation():
+    assert semantic_entropy([0, 0, 0, 0]) == 0
+    assert semantic_entropy([0, 1]) == pytest.approx(math.log(2))
+    assert math.isnan(semantic_entropy([]))
+    assert normalize_step("  So  X = 3.50\n") == "so x = 3.5"

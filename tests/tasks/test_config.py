@@ -1,0 +1,50 @@
+"""params.yaml + profile + overrides -> typed, validated stage configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import load_params
+
+
+def test_default_params_are_the_demo_profile():
+    p = load_params()
+    assert p.pair == "embedded" and p.profile == "demo"
+    assert p.sample.n == 20 and p.sample.max_step_tokens == 48
+    assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 24
+    assert p.train.variants == ["last", "all", "mix", "random"]
+    assert p.train.hidden("target") == [2048, 512] and p.train.hidden("draft") == [512, 256]
+
+
+def test_profiles_and_overrides():
+    paper = load_params(profile="paper")
+    assert paper.ingest.source == "s1k" and paper.sample.max_step_tokens == 256 and paper.sample.n == 20
+    tiny = load_params(profile="tiny", overrides=["sample.n=3", "train.variants=[all, random]"])
+    assert tiny.sample.n == 3 and tiny.train.variants == ["all", "random"]
+
+
+@pytest.mark.parametrize(
+    "override, msg",
+    [
+        ("sample.n=0", "'n'"),
+        ("sample.top_p=1.5", "top_p"),
+        ("sample.roles=[judge]", "roles"),
+        ("sample.executor=dask", "executor"),
+        ("cluster.noise=2", "noise"),
+        ("train.variants=[best]", "variants"),
+        ("train.test_fraction=0.9", "test_fraction"),
+        ("ingest.source=web", "source"),
+        ("sample.temprature=1", "unknown field"),
+        ("nonsense", "section.key=value"),
+    ],
+)
+def test_bad_values_name_the_field(override, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_params(overrides=[override])
+
+
+def test_unknown_profile_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown profile 'huge'"):
+        load_params(profile="huge")
+    with pytest.raises(ValueError, match="not found"):
+        load_params(tmp_path / "params.yaml")

@@ -1,0 +1,269 @@
+"""Stage contracts in tmp dirs with tiny models: ingest -> sample -> cluster -> train -> registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from models.judges import EmbeddingJudge
+from models.lm import load_lm
+from tasks.cluster import inject_noise, run_cluster
+from tasks.config import load_params
+from tasks.ingest import run_ingest
+from tasks.io import read_shards
+from tasks.sample import run_sample
+from tasks.train import split_by_question
+from tests.helpers.pipeline import write_tiny_pair
+from tests.helpers.tiny import boost_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _judge():
+    # texts -> 2-d embeddings by length bucket: enough to give several clusters of several sizes
+    return EmbeddingJudge(lambda ts: torch.tensor([[1.0, float(len(t) // 3)] for t in ts]), threshold=0.999)
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """Run ingest, sample (local executor, delimiter-boosted tiny models) and cluster once."""
+    tmp = tmp_path_factory.mktemp("pipe")
+    pair = write_tiny_pair(tmp)
+    p = load_params(
+        profile="tiny",
+        overrides=[
+            "sample.executor=local",
+            "cluster.executor=local",
+            "sample.max_step_tokens=10",
+            "ingest.max_questions=8",
+        ],
+    )
+    lms = {}
+    for role in ("draft", "target"):
+        lms[role] = load_lm(pair.role(role))
+        boost_tokens(lms[role].model, [lms[role].tokenizer.convert_tokens_to_ids("\n")], 3.0)
+    prefixes = run_ingest(p.ingest, pair, tmp / "prefixes.parquet")
+    run_sample(p.sample, pair, prefixes, tmp / "samples", lms=lms)
+    run_cluster(p.cluster, pair, tmp / "samples", tmp / "labels", prefixes, judge=_judge())
+    return {"tmp": tmp, "pair": pair, "params": p, "prefixes": prefixes}
+
+
+def test_ingest_writes_the_prefix_schema(stages):
+    t = pq.read_table(stages["prefixes"])
+    assert t.column_names == [
+        "prefix_id",
+        "question_id",
+        "source",
+        "domain",
+        "step_index",
+        "question",
+        "context",
+    ]
+    assert t.num_rows == 8 and len(set(t.column("prefix_id").to_pylist())) == 8
+
+
+def test_samples_have_exactly_n_rows_per_prefix_and_role(stages):
+    n = stages["params"].sample.n
+    pids = set(pq.read_table(stages["prefixes"]).column("prefix_id").to_pylist())
+    for role, d in (("draft", 32), ("target", 64)):
+        t = read_shards(stages["tmp"] / "samples" / role)
+        rows = t.select(["prefix_id", "sample_idx"]).to_pylist()
+        assert len(rows) == n * len(pids)
+        assert len({(r["prefix_id"], r["sample_idx"]) for r in rows}) == len(rows)
+        assert set(t.column("prefix_id").to_pylist()) == pids
+        assert t.schema.field("h_last").type.list_size == d
+        assert t.schema.field("h_layers").type.list_size == 3 * d  # (L+1) * D with L = 2
+        assert set(t.column("finish_reason").to_pylist()) <= {"delimiter", "eos", "length"}
+        assert set(t.column("role").to_pylist()) == {role}
+
+
+def test_label_cluster_sizes_sum_to_valid_count(stages):
+    for role in ("draft", "target"):
+        labels = pq.read_table(stages["tmp"] / "labels" / f"{role}.parquet").to_pylist()
+        assert labels
+        by_prefix: dict[str, list[dict]] = {}
+        for r in labels:
+            by_prefix.setdefault(r["prefix_id"], []).append(r)
+        n = stages["params"].sample.n
+        for rows in by_prefix.values():
+            sizes = {r["cluster_id"]: r["cluster_size"] for r in rows}
+            assert sum(sizes.values()) == rows[0]["n_valid"] == len(rows)
+            assert rows[0]["n_valid"] + rows[0]["n_invalid"] == n
+            for r in rows:
+                assert r["semantic_prob"] == pytest.approx(r["cluster_size"] / r["n_valid"])
+                assert r["in_largest"] == (r["cluster_size"] == max(sizes.values()))
+
+
+def test_noise_injection_moves_the_requested_share():
+    import random
+
+    ids = [0] * 10 + [1] * 10
+    noisy = inject_noise(ids, 0.2, random.Random(0))
+    assert sum(a != b for a, b in zip(ids, noisy, strict=True)) == 4
+    assert inject_noise([0, 0, 0, 0], 0.5, random.Random(0)).count(1) == 2  # one cluster: moved to a new one
+
+
+def test_split_by_question_never_shares_a_question():
+    q = np.array([f"q{i % 10}" for i in range(200)])
+    m = split_by_question(q, 0.2, 0.2, seed=0)
+    assert (m["train"].astype(int) + m["val"] + m["test"] == 1).all()
+    sets = {k: set(q[v]) for k, v in m.items()}
+    assert (
+        not sets["train"] & sets["test"]
+        and not sets["train"] & sets["val"]
+        and not sets["val"] & sets["test"]
+    )
+    assert len(sets["test"]) == 2 and len(sets["val"]) == 2
+    with pytest.raises(ValueError, match="at least 3"):
+        split_by_question(np.array(["a", "b"]), 0.2, 0.2, 0)
+
+
+@pytest.fixture(scope="module")
+def trained(stages, tmp_path_factory):
+    """Train all 8 probes into a private MLflow store."""
+    from tasks.train import run_train
+
+    tmp = stages["tmp"]
+    env = {
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlruns.db",
+        "SEMSPEC_MLFLOW_ARTIFACTS": str(tmp / "mlartifacts"),
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        res = run_train(
+            stages["params"].train,
+            stages["pair"],
+            tmp / "samples",
+            tmp / "labels",
+            tmp / "probes",
+            tmp / "metrics.json",
+            tmp / "plots",
+        )
+        yield res
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_train_registers_eight_champion_probes(stages, trained):
+    import mlflow
+
+    tmp = stages["tmp"]
+    assert set(trained) == {"draft", "target"}
+    for role in trained:
+        assert set(trained[role]) == {"last", "all", "mix", "random"}
+        for m in trained[role].values():
+            assert {"mse", "mae", "spearman", "brier", "ece", "auroc"} <= set(m)
+    assert (
+        json.loads((tmp / "metrics.json").read_text())["draft"]["all"]["mse"]
+        == trained["draft"]["all"]["mse"]
+    )
+    assert len(list((tmp / "plots").glob("calibration-*.png"))) == 8
+    client = mlflow.MlflowClient(f"sqlite:///{tmp}/mlruns.db")
+    for role, d in (("draft", 32), ("target", 64)):
+        for v in ("last", "all", "mix", "random"):
+            mv = client.get_model_version_by_alias(f"semspec-tiny-{role}-{v}", "champion")
+            assert mv.tags["model_id"] == f"tiny-{role}" and mv.tags["hidden_size"] == str(d)
+            assert mv.tags["feature"] == v and mv.tags["pair"] == "tiny" and mv.tags["git_commit"]
+            assert mv.tags["data_hash"].startswith(("md5:", "dvc:"))
+    runs = mlflow.search_runs(experiment_names=["semspec-tiny"])  # the fixture points MLflow at tmp
+    assert len(runs) == 8 and runs["metrics.test_mse"].notna().all()
+    trained_runs = runs[runs["tags.variant"] != "random"]
+    assert trained_runs["metrics.val_mse"].notna().all(), "per-epoch validation MSE must be logged"
+
+
+def test_registry_round_trip_and_mismatch(stages, trained):
+    from models.lm import Pooled
+    from models.probe import probe_probability
+    from tasks.registry import load_probe
+
+    probe = load_probe("tiny", "target", "mix", "tiny-target", 64)
+    pooled = Pooled(torch.randn(3, 64))
+    assert 0 < probe_probability(probe, pooled) < 1
+    saved = torch.load(stages["tmp"] / "probes" / "target-mix.pt", weights_only=False)
+    for k, v in saved["state_dict"].items():
+        assert torch.equal(probe.state_dict()[k], v)
+    with pytest.raises(ValueError, match="trained on 'tiny-target', not on 'other-model'"):
+        load_probe("tiny", "target", "all", "other-model", 64)
+    with pytest.raises(ValueError, match="expects hidden size 64, the model has 640"):
+        load_probe("tiny", "target", "all", "tiny-target", 640)
+    with pytest.raises(
+        ValueError, match=r"no registered probe semspec-nope-draft-all@champion.*semspec train"
+    ):
+        load_probe("nope", "draft", "all", "x", 1)
+
+
+def test_sample_stage_through_ray_actors(tmp_path):
+    pair = write_tiny_pair(tmp_path, max_step_tokens=4)
+    p = load_params(profile="tiny", overrides=["sample.executor=ray", "ingest.max_questions=4", "sample.n=3"])
+    prefixes = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
+    run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+    for role in ("draft", "target"):
+        t = read_shards(tmp_path / "samples" / role)
+        assert t.num_rows == 4 * 3 and set(t.column("model_id").to_pylist()) == {f"tiny-{role}"}
+
+
+SAMPLE_SCRIPT = """
+import sys
+from pathlib import Path
+from models.spec import load_pair
+from tasks.config import load_params
+from tasks.sample import run_sample
+tmp = Path(sys.argv[1])
+p = load_params(profile="tiny", overrides=["sample.executor=local", "sample.batch_prefixes=1", "sample.n=16",
+                                           "sample.max_step_tokens=48"])
+run_sample(p.sample, load_pair(tmp / "tiny.yaml"), tmp / "prefixes.parquet", tmp / "samples")
+"""
+
+
+def test_sample_resumes_after_a_kill(tmp_path):
+    pair = write_tiny_pair(tmp_path, draft_hidden=128, target_hidden=128, layers=4)
+    p = load_params(profile="tiny", overrides=["ingest.max_questions=8"])
+    run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAMPLE_SCRIPT, str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    shards = tmp_path / "samples" / "draft"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and len(list(shards.glob("part-*.parquet"))) < 2:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {f.name: f.stat().st_mtime_ns for f in shards.glob("part-*.parquet")}
+    assert 2 <= len(before) < 8, f"the kill should land mid-stage, found {len(before)} shards"
+    # rerun in-process: only the missing prefixes are sampled, finished shards are not rewritten
+    p2 = load_params(
+        profile="tiny",
+        overrides=[
+            "sample.executor=local",
+            "sample.batch_prefixes=1",
+            "sample.n=16",
+            "sample.max_step_tokens=48",
+        ],
+    )
+    run_sample(p2.sample, pair, tmp_path / "prefixes.parquet", tmp_path / "samples")
+    after = {f.name: f.stat().st_mtime_ns for f in shards.glob("part-*.parquet")}
+    assert all(after[k] == v for k, v in before.items())
+    for role in ("draft", "target"):
+        t = read_shards(tmp_path / "samples" / role, columns=["prefix_id", "sample_idx"]).to_pylist()
+        assert len(t) == 8 * 16 and len({(r["prefix_id"], r["sample_idx"]) for r in t}) == len(t)
+    assert not list(shards.glob("*.tmp")), "no temp file may survive"
