@@ -44,7 +44,9 @@ def main() -> None:
     print(f"{a.role} {lm.model_id}: N={a.n}, {m} prefixes, step budget {a.max_tokens}")
     print(f"  batched    {batched / m:6.2f} s/prefix  ({tokens_b / batched:6.1f} tokens/s)")
     print(f"  sequential {sequential / m:6.2f} s/prefix  ({tokens_s / sequential:6.1f} tokens/s)")
-    print(f"  speed-up   {sequential / batched:6.2f}x per prefix, {(tokens_b / batched) / (tokens_s / sequential):.2f}x per token")
+    print(
+        f"  speed-up   {sequential / batched:6.2f}x per prefix, {(tokens_b / batched) / (tokens_s / sequential):.2f}x per token"
+    )
 
 
 if __name__ == "__main__":

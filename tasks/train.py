@@ -155,11 +155,11 @@ def calibration_figure(pred: np.ndarray, y: np.ndarray, title: str):
 class _MlflowEpochs(L.Callback):
     """Per-epoch train/val MSE into the active MLflow run."""
 
-    def on_validation_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer, pl_module):  # runs after this epoch's validation
         import mlflow
 
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_mse", "val_mse")}
-        if m and not trainer.sanity_checking:
+        if m:
             mlflow.log_metrics(m, step=trainer.current_epoch)
 
 

@@ -184,6 +184,9 @@ def test_train_registers_eight_champion_probes(stages, trained):
     assert len(runs) == 8 and runs["metrics.test_mse"].notna().all()
     trained_runs = runs[runs["tags.variant"] != "random"]
     assert trained_runs["metrics.val_mse"].notna().all(), "per-epoch validation MSE must be logged"
+    assert trained_runs["metrics.train_mse"].notna().all(), "per-epoch training MSE must be logged"
+    history = client.get_metric_history(trained_runs["run_id"].iloc[0], "val_mse")
+    assert len(history) > 1 and [h.step for h in history] == sorted(h.step for h in history)
 
 
 def test_registry_round_trip_and_mismatch(stages, trained):
