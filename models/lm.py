@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,25 @@ class LMState:
     def clone(self) -> LMState:
         """A deep copy whose cache can be extended without touching this one."""
         return LMState(self.text, list(self.ids), copy.deepcopy(self.cache), self.logits, self.hidden)
+
+    def checkpoint(self, extra_tokens: int) -> Callable[[], LMState]:
+        """Remember this state before its cache is extended by up to ``extra_tokens``; the returned
+        function restores it by cropping the cache (or from a copy when a sliding-window layer would
+        have dropped positions that a crop cannot bring back)."""
+        n = len(self.ids)
+        windows = [getattr(layer, "sliding_window", None) for layer in getattr(self.cache, "layers", [])]
+        if any(w is not None and n + extra_tokens >= int(w) - 1 for w in windows):
+            saved = self.clone()
+            return lambda: saved
+        text, ids, logits, hidden, cache = self.text, list(self.ids), self.logits, self.hidden, self.cache
+
+        def restore() -> LMState:
+            extra = cache.get_seq_length() - n
+            if extra > 0:
+                cache.crop(-extra)
+            return LMState(text, ids, cache, logits, hidden)
+
+        return restore
 
 
 @dataclass
@@ -246,12 +266,17 @@ class LM:
         new_state = LMState(state.text + text, state.ids + new_ids, cache, logits[0, -1], hidden[0, -1])
         return new_state, new_ids, logits[0], hidden[0]
 
-    def score_step(self, context: str | LMState, step_text: str) -> StepScore:
+    def score_step(self, context: str | LMState, step_text: str, inplace: bool = False) -> StepScore:
         """Prefill ``step_text`` after ``context`` and pool hidden states as generation does.
 
-        A given ``LMState`` is reused (its cache is cloned, not modified); a string is prefilled first.
+        A given ``LMState`` is reused: its cache is cloned, or with ``inplace`` extended in place (the
+        decoder then keeps the returned state, or crops back via ``LMState.checkpoint``). A string is
+        prefilled first.
         """
-        base = self.prefill(context) if isinstance(context, str) else context.clone()
+        if isinstance(context, str):
+            base = self.prefill(context)
+        else:
+            base = context if inplace else context.clone()
         state, ids, logits, hidden = self.extend(base, step_text)
         # 1. positions predicting the step: last context position + step tokens but the last
         pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
@@ -286,13 +311,59 @@ class LM:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         state = self.prefill(context) if isinstance(context, str) else context
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
-        warpers = _warpers(temperature, top_p)
-
         cache = copy.deepcopy(state.cache)
         if n > 1:
             cache.batch_repeat_interleave(n)
+        return self._sample_loop(state, cache, n, temperature, top_p, max_tokens, seed)[0]
+
+    @torch.inference_mode()
+    def decode_step(
+        self,
+        state: LMState,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> tuple[StepSample, LMState]:
+        """Write one step after ``state`` reusing its KV cache in place (no copy, no re-prefill).
+
+        Returns the step and the state extended by the step's text; ``state`` itself must not be used
+        afterwards (its cache now belongs to the returned state).
+        """
+        if temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        samples, cache = self._sample_loop(state, state.cache, 1, temperature, top_p, max_tokens, seed)
+        s = samples[0]
+        k = len(s.token_ids)  # the cache now holds state.ids + s.token_ids[:-1]
+        exact = s.finish_reason != "eos" and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
+        if exact:
+            # 1. the step is exactly the sampled tokens: feed the last one
+            logits, hidden, cache = self.forward(torch.tensor([[s.token_ids[-1]]]), cache)
+            return s, LMState(state.text + s.text, state.ids + s.token_ids, cache, logits[0, -1], hidden[0, -1])
+        # 2. EOS, a delimiter cut inside a token, or special tokens: roll back and prefill the text
+        if k > 1:
+            cache.crop(-(k - 1))
+        base = LMState(state.text, state.ids, cache, state.logits, state.hidden)
+        return s, (self.extend(base, s.text)[0] if s.text else base)
+
+    def _sample_loop(
+        self,
+        state: LMState,
+        cache: Cache,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None,
+    ) -> tuple[list[StepSample], Cache]:
+        """The batched decode loop behind ``generate_step`` and ``decode_step``; ``cache`` holds the
+        context ``n`` times and is advanced in place."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+        warpers = _warpers(temperature, top_p)
         logits = state.logits[None].expand(n, -1)  # (B, V)
         hidden = state.hidden[None].expand(n, -1, -1)  # (B, L+1, D)
         rows = list(range(n))  # batch row -> sample index
@@ -330,7 +401,7 @@ class LM:
                 texts[i] = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
             pooled = Pooled(hsum[i] / len(tokens[i]))
             samples.append(StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])))
-        return samples
+        return samples, cache
 
     def _check_stop(self, toks: list[int]) -> tuple[str, str] | None:
         """(text, reason) when ``toks`` ends the step, else None."""

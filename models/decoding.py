@@ -1,0 +1,355 @@
+"""Decoders with one call signature and one result type.
+
+Every decoder is ``decode(question) -> DecodeResult``: the text, the final answer, and a per-step
+trace (who wrote each step, tokens per model, p, q, the acceptance draw, timings).
+
+* ``target`` / ``draft``: one model alone, step by step on its KV cache (plain autoregressive cost).
+* ``semanticspec``: the paper's Algorithm 1 — the draft writes a step, the target prefills it on its
+  cached context, probes give q (draft) and p (target), the step is accepted with probability
+  min(1, p/q); otherwise the target writes the step itself from the last accepted context.
+* ``specreason``: the target scores each draft step 0-9 with a verification prompt; accept at a threshold.
+
+Steps travel between the models as text; each model re-tokenises them, so the pair may use different
+tokenizers. Both models keep their caches across steps: accepted text is appended, rejected text is
+cropped away; nothing re-prefills the whole context.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from models.grading import extract_answer
+from models.lm import LM, LMState, Pooled
+
+ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
+
+
+@dataclass
+class DecodeSettings:
+    """Knobs shared by every decoder."""
+
+    max_new_tokens: int = 256  # output budget (target-tokenizer tokens where a target is involved)
+    step_tokens: int | None = None  # per-step budget; None: each model spec's max_step_tokens
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    gamma: int = 1  # steps drafted before verification (paper default 1)
+    min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
+    accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
+    seed: int = 0
+    benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.min_ratio is not None and self.min_ratio < 0:
+            raise ValueError(f"min_ratio must be >= 0, got {self.min_ratio}")
+        if not 0 <= self.accept_threshold <= 9:
+            raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
+class StepRecord:
+    """One step of the output."""
+
+    author: str  # draft | target
+    text: str
+    draft_tokens: int  # tokens of the step in the draft's tokenizer (0 if the draft never saw it)
+    target_tokens: int  # tokens of the step in the target's tokenizer (0 if the target never saw it)
+    p: float | None = None  # target probe
+    q: float | None = None  # draft probe
+    u: float | None = None  # the acceptance draw
+    score: int | None = None  # specreason's 0-9 score
+    proposal: str | None = None  # a rejected draft step (what the target rewrote)
+
+
+@dataclass
+class Timings:
+    """Wall time split by activity (seconds)."""
+
+    draft: float = 0.0  # draft generation and draft cache upkeep
+    verify: float = 0.0  # target prefill of draft steps
+    target: float = 0.0  # target generation
+    probe: float = 0.0  # probe forward passes
+    total: float = 0.0
+
+
+@dataclass
+class DecodeResult:
+    """What every decoder returns."""
+
+    method: str
+    text: str
+    answer: str | None
+    steps: list[StepRecord] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    output_tokens: int = 0  # in the target's tokenizer when a target is involved
+    target_prefill_tokens: int = 0  # tokens the target prefilled after the prompt (verification)
+    finish_reason: str = "length"  # eos | length
+
+    @property
+    def target_tokens(self) -> int:
+        """Output tokens written by the target."""
+        return sum(s.target_tokens for s in self.steps if s.author == "target")
+
+    @property
+    def target_share(self) -> float:
+        """Share of output tokens written by the target (the paper's Ratio)."""
+        return self.target_tokens / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft steps / proposed draft steps (None when nothing was proposed)."""
+        proposed = [s for s in self.steps if s.author == "draft" or s.proposal is not None]
+        return sum(s.author == "draft" for s in proposed) / len(proposed) if proposed else None
+
+    @property
+    def prefill_per_output_token(self) -> float:
+        """Target prefill tokens (after the prompt) per output token."""
+        return self.target_prefill_tokens / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per wall-clock second."""
+        return self.output_tokens / self.timings.total if self.timings.total else 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable trace."""
+        d = asdict(self)
+        d.update(target_share=self.target_share, acceptance_rate=self.acceptance_rate,
+                 prefill_per_output_token=self.prefill_per_output_token, tokens_per_second=self.tokens_per_second)
+        return d
+
+
+class _Clock:
+    """Adds the elapsed time of a ``with`` block to one field of a Timings."""
+
+    def __init__(self, timings: Timings, name: str) -> None:
+        self.timings, self.name = timings, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.timings, self.name, getattr(self.timings, self.name) + time.perf_counter() - self.t0)
+
+
+def _finish(method: str, res: DecodeResult, t0: float, settings: DecodeSettings) -> DecodeResult:
+    res.method = method
+    res.text = "".join(s.text for s in res.steps)
+    res.answer = extract_answer(res.text, settings.benchmark)
+    res.timings.total = time.perf_counter() - t0
+    return res
+
+
+class SingleModelDecoder:
+    """``target`` or ``draft``: one model writes every step."""
+
+    def __init__(self, lm: LM, settings: DecodeSettings, role: str = "target") -> None:
+        if role not in ("draft", "target"):
+            raise ValueError(f"role must be 'draft' or 'target', got {role!r}")
+        self.lm, self.settings, self.role = lm, settings, role
+
+    @property
+    def method(self) -> str:
+        """The method name (its role)."""
+        return self.role
+
+    def decode(self, question: str) -> DecodeResult:
+        """Write steps until EOS or the token budget."""
+        s, t0 = self.settings, time.perf_counter()
+        res = DecodeResult(self.method, "", None)
+        clock = _Clock(res.timings, "target" if self.role == "target" else "draft")
+        with clock:
+            state = self.lm.prefill(self.lm.format_prompt(question))
+        seed = s.seed
+        while res.output_tokens < s.max_new_tokens:
+            budget = min(s.step_tokens or self.lm.spec.max_step_tokens, s.max_new_tokens - res.output_tokens)
+            with clock:
+                step, state = self.lm.decode_step(state, s.temperature, s.top_p, budget, seed)
+            seed += 1
+            k = step.num_tokens
+            res.steps.append(StepRecord(self.role, step.text, k if self.role == "draft" else 0,
+                                        k if self.role == "target" else 0))
+            res.output_tokens += k
+            if step.finish_reason == "eos":
+                res.finish_reason = "eos"
+                break
+        return _finish(self.method, res, t0, s)
+
+
+class SemanticSpecDecoder:
+    """SemanticSpec (Algorithm 1) with probes ``q_probe`` (draft) and ``p_probe`` (target)."""
+
+    method = "semanticspec"
+
+    def __init__(self, draft: LM, target: LM, q_probe: ProbeFn, p_probe: ProbeFn, settings: DecodeSettings) -> None:
+        self.draft, self.target, self.q_probe, self.p_probe, self.settings = draft, target, q_probe, p_probe, settings
+
+    def _budget(self, lm: LM, used: int) -> int:
+        s = self.settings
+        return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
+
+    def decode(self, question: str) -> DecodeResult:
+        """Draft, verify with the probes, rewrite rejected steps with the target."""
+        s, t0 = self.settings, time.perf_counter()
+        rng = random.Random(s.seed)
+        res = DecodeResult(self.method, "", None)
+        tm = res.timings
+        with _Clock(tm, "draft"):
+            dstate = self.draft.prefill(self.draft.format_prompt(question))
+        with _Clock(tm, "target"):
+            tstate = self.target.prefill(self.target.format_prompt(question))
+        seed = s.seed
+        while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
+            # 1. the draft proposes up to gamma steps, advancing its own cache
+            d_restore = dstate.checkpoint(s.gamma * self._budget(self.draft, 0) + 8)
+            proposals = []
+            with _Clock(tm, "draft"):
+                for _ in range(s.gamma):
+                    step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p,
+                                                          self._budget(self.draft, res.output_tokens), seed)
+                    seed += 1
+                    proposals.append((step, len(dstate.ids)))
+                    if step.finish_reason == "eos" or not step.text:
+                        break
+            # 2. the target verifies them in order; the first rejection ends the round
+            rejected = False
+            for i, (step, _) in enumerate(proposals):
+                t_restore = tstate.checkpoint(self._budget(self.target, 0) * 2 + 8)
+                with _Clock(tm, "probe"):
+                    q = self.q_probe(step.pooled)
+                if step.text:
+                    with _Clock(tm, "verify"):
+                        score = self.target.score_step(tstate, step.text, inplace=True)
+                    res.target_prefill_tokens += len(score.token_ids)
+                    with _Clock(tm, "probe"):
+                        p = self.p_probe(score.pooled)
+                else:
+                    score, p = None, 0.0
+                u = rng.random()
+                ratio = p / q if q > 0 else float("inf")
+                accept = score is not None and u < min(1.0, ratio)
+                if accept and s.min_ratio is not None and ratio < s.min_ratio:
+                    accept = False
+                if accept:
+                    tstate = score.state
+                    res.steps.append(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), p, q, u))
+                    res.output_tokens += len(score.token_ids)
+                    if step.finish_reason == "eos":
+                        res.finish_reason = "eos"
+                        break
+                    continue
+                # 3. rejected: crop the target back, let it write the step itself
+                tstate = t_restore()
+                with _Clock(tm, "target"):
+                    tstep, tstate = self.target.decode_step(tstate, s.temperature, s.top_p,
+                                                            self._budget(self.target, res.output_tokens), seed)
+                seed += 1
+                # 4. the draft rolls back to before this proposal and reads the target's step instead
+                with _Clock(tm, "draft"):
+                    dstate = d_restore()
+                    for prev, _ in proposals[:i]:
+                        dstate = self.draft.prefill(prev.text, dstate)
+                    draft_ids = 0
+                    if tstep.text:
+                        before = len(dstate.ids)
+                        dstate = self.draft.prefill(tstep.text, dstate)
+                        draft_ids = len(dstate.ids) - before
+                res.steps.append(StepRecord("target", tstep.text, draft_ids, tstep.num_tokens, p, q, u,
+                                            proposal=step.text))
+                res.output_tokens += tstep.num_tokens
+                if tstep.finish_reason == "eos" or not tstep.text:
+                    res.finish_reason = "eos"
+                rejected = True
+                break
+            if not rejected and proposals and proposals[-1][0].finish_reason == "eos":
+                res.finish_reason = "eos"
+        return _finish(self.method, res, t0, s)
+
+
+VERIFY_PROMPT = "\n\nIs the previous step correct? Rate it from 0 (wrong) to 9 (certainly correct). Rating:"
+
+
+class SpecReasonDecoder:
+    """SpecReason: the target rates each draft step 0-9; steps rated below the threshold are rewritten."""
+
+    method = "specreason"
+
+    def __init__(self, draft: LM, target: LM, settings: DecodeSettings, prompt: str = VERIFY_PROMPT) -> None:
+        self.draft, self.target, self.settings, self.prompt = draft, target, settings, prompt
+        ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
+        self.digit_ids = [i[-1] for i in ids]
+
+    def rate(self, state: LMState, step_text: str) -> tuple[int, LMState, int]:
+        """Score a step 0-9 (argmax over the digit tokens after the verification prompt).
+
+        Returns the score, the target state extended by the step (the prompt is cropped away) and the
+        number of step tokens prefilled."""
+        st, ids, _, _ = self.target.extend(state, step_text)
+        keep = (st.text, list(st.ids), st.logits, st.hidden)
+        st2 = self.target.extend(st, self.prompt)[0]
+        score = int(torch.argmax(st2.logits[self.digit_ids]))
+        extra = st2.cache.get_seq_length() - len(keep[1])
+        if extra > 0:
+            st2.cache.crop(-extra)
+        return score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)
+
+    def decode(self, question: str) -> DecodeResult:
+        """Draft a step, let the target rate it, rewrite it below the threshold."""
+        s, t0 = self.settings, time.perf_counter()
+        res = DecodeResult(self.method, "", None)
+        tm = res.timings
+        with _Clock(tm, "draft"):
+            dstate = self.draft.prefill(self.draft.format_prompt(question))
+        with _Clock(tm, "target"):
+            tstate = self.target.prefill(self.target.format_prompt(question))
+        seed = s.seed
+        while res.output_tokens < s.max_new_tokens:
+            budget = min(s.step_tokens or self.draft.spec.max_step_tokens, s.max_new_tokens - res.output_tokens)
+            d_restore = dstate.checkpoint(budget + 8)
+            with _Clock(tm, "draft"):
+                step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed)
+            seed += 1
+            if step.text:
+                t_restore = tstate.checkpoint(self.target.spec.max_step_tokens * 2 + 64)
+                with _Clock(tm, "verify"):
+                    score, new_t, k = self.rate(tstate, step.text)
+                res.target_prefill_tokens += k
+            else:
+                score, k = 0, 0
+            if step.text and score >= s.accept_threshold:
+                tstate = new_t
+                res.steps.append(StepRecord("draft", step.text, step.num_tokens, k, score=score))
+                res.output_tokens += k
+                if step.finish_reason == "eos":
+                    res.finish_reason = "eos"
+                    break
+                continue
+            if step.text:
+                tstate = t_restore()
+            with _Clock(tm, "target"):
+                tstep, tstate = self.target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
+            seed += 1
+            with _Clock(tm, "draft"):
+                dstate = d_restore()
+                before = len(dstate.ids)
+                if tstep.text:
+                    dstate = self.draft.prefill(tstep.text, dstate)
+            res.steps.append(StepRecord("target", tstep.text, len(dstate.ids) - before, tstep.num_tokens, score=score,
+                                        proposal=step.text))
+            res.output_tokens += tstep.num_tokens
+            if tstep.finish_reason == "eos" or not tstep.text:
+                res.finish_reason = "eos"
+                break
+        return _finish(self.method, res, t0, s)

@@ -1,0 +1,118 @@
+"""Decoder invariants with tiny models (greedy): always-reject = target, always-accept = draft,
+cache consistency across accepts and rejects, different tokenizers on the two sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.decoding import DecodeSettings, SemanticSpecDecoder, SingleModelDecoder, SpecReasonDecoder
+from tests.helpers.tiny import tiny_lm
+
+Q = "What is 2 + 3?"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # different tokenizers: the draft has tokens carrying the delimiter, the target is character-level
+    draft = tiny_lm(merged=True, seed=0, boost=2.5, max_step_tokens=8)
+    target = tiny_lm(merged=False, seed=1, boost=2.0, max_step_tokens=8)
+    assert len(draft.tokenizer) != len(target.tokenizer)
+    return draft, target
+
+
+SETTINGS = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0)
+
+
+def test_always_reject_reproduces_the_target(pair):
+    draft, target = pair
+    ref = SingleModelDecoder(target, SETTINGS, "target").decode(Q)
+    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.0, settings=SETTINGS).decode(Q)
+    assert res.text == ref.text
+    assert [s.text for s in res.steps] == [s.text for s in ref.steps]
+    assert all(s.author == "target" for s in res.steps)
+    assert res.target_share == 1.0 and res.acceptance_rate == 0.0
+    assert res.output_tokens == ref.output_tokens
+
+
+def test_always_accept_reproduces_the_draft_step_for_step(pair):
+    draft, target = pair
+    ref = SingleModelDecoder(draft, SETTINGS, "draft").decode(Q)
+    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 0.1, p_probe=lambda h: 1.0, settings=SETTINGS).decode(Q)
+    assert [s.text for s in res.steps] == [s.text for s in ref.steps if s.text][: len(res.steps)]
+    assert all(s.author == "draft" for s in res.steps)
+    assert res.target_share == 0.0 and res.acceptance_rate == 1.0
+    # every output token was prefilled by the target exactly once, never the whole context again
+    assert res.prefill_per_output_token == pytest.approx(1.0)
+
+
+def test_mixed_decisions_keep_both_caches_consistent(pair):
+    draft, target = pair
+    probs = iter([0.9, 0.05] * 50)
+    settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3)
+    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs),
+                              settings=settings).decode(Q)
+    authors = {s.author for s in res.steps}
+    assert authors == {"draft", "target"}, "this test needs both accepts and rejects"
+    for s in res.steps:
+        assert (s.author == "draft") == (s.u < min(1.0, s.p / s.q))
+    # each target-written step is what the target writes greedily from a fresh prefill of the text so far
+    prompt = target.format_prompt(Q)
+    for i, s in enumerate(res.steps):
+        if s.author != "target" or not s.text:
+            continue
+        state = target.prefill(prompt + "".join(x.text for x in res.steps[:i]))
+        budget = min(8, 60 - sum(x.target_tokens for x in res.steps[:i]))
+        fresh, _ = target.decode_step(state, 0.0, 1.0, budget)
+        assert fresh.text == s.text, f"step {i}: cached decoding diverged from a fresh prefill"
+    assert res.timings.total >= res.timings.draft + res.timings.verify + res.timings.target + res.timings.probe - 1e-6
+
+
+def test_min_ratio_rejects_low_ratios(pair):
+    draft, target = pair
+    settings = DecodeSettings(max_new_tokens=30, step_tokens=8, temperature=0.0, min_ratio=0.9)
+    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.5, settings=settings).decode(Q)
+    assert all(s.author == "target" for s in res.steps)
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_gamma_drafts_several_steps_before_verifying(pair, gamma):
+    draft, target = pair
+    settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, gamma=gamma)
+    ref = SingleModelDecoder(draft, settings, "draft").decode(Q)
+    res = SemanticSpecDecoder(draft, target, lambda h: 0.1, lambda h: 1.0, settings).decode(Q)
+    assert [s.text for s in res.steps] == [s.text for s in ref.steps if s.text][: len(res.steps)]
+    rej = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.0, settings).decode(Q)
+    assert rej.text == SingleModelDecoder(target, settings, "target").decode(Q).text
+
+
+def test_specreason_threshold_zero_accepts_everything(pair):
+    draft, target = pair
+    ref = SingleModelDecoder(draft, SETTINGS, "draft").decode(Q)
+    settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, accept_threshold=0)
+    res = SpecReasonDecoder(draft, target, settings).decode(Q)
+    assert [s.text for s in res.steps] == [s.text for s in ref.steps if s.text][: len(res.steps)]
+    assert all(s.author == "draft" and 0 <= s.score <= 9 for s in res.steps)
+
+
+def test_specreason_low_scores_are_rewritten_by_the_target(pair, monkeypatch):
+    draft, target = pair
+    dec = SpecReasonDecoder(draft, target, SETTINGS)
+    real = dec.rate
+    monkeypatch.setattr(dec, "rate", lambda st, text: (0, *real(st, text)[1:]))
+    res = dec.decode(Q)
+    assert res.text == SingleModelDecoder(target, SETTINGS, "target").decode(Q).text
+
+
+def test_result_fields_and_answer_extraction(pair):
+    draft, target = pair
+    res = SingleModelDecoder(target, DecodeSettings(max_new_tokens=12, step_tokens=4), "target").decode(Q)
+    assert res.output_tokens <= 12 and res.method == "target"
+    d = res.to_dict()
+    assert {"text", "answer", "steps", "timings", "target_share", "tokens_per_second"} <= set(d)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"gamma": 0}, {"min_ratio": -1}, {"accept_threshold": 10},
+                                    {"top_p": 0}])
+def test_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        DecodeSettings(**kwargs)
