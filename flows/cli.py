@@ -287,6 +287,64 @@ def train(
     typer.echo(metrics_table(res))
 
 
+@app.command()
+def decode(
+    question: Annotated[str, typer.Argument(help="The question to answer.")],
+    pair: PairOpt = "embedded",
+    method: Annotated[
+        str, typer.Option(help="target, draft, semanticspec, specsampling or specreason.")
+    ] = "semanticspec",
+    probe: Annotated[
+        str, typer.Option(help="Probe variant from the registry: random, last, all or mix.")
+    ] = "all",
+    max_new_tokens: Annotated[int, typer.Option(help="Output token budget.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    gamma: Annotated[int, typer.Option(help="Draft steps per verification.")] = 1,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the full trace as JSON.")] = False,
+) -> None:
+    """Answer a question, streaming each step as it is accepted (draft) or written by the target."""
+    import json
+
+    from models.decoding import DecodeSettings
+    from models.lm import load_lm
+    from models.spec import load_pair
+    from tasks.decode import METHODS, build_decoder
+
+    if method not in METHODS:
+        raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
+    cfg = _or_exit(load_pair, pair)
+    settings = _or_exit(
+        lambda: DecodeSettings(max_new_tokens=max_new_tokens, temperature=temperature, gamma=gamma, seed=seed)
+    )
+    needed = {"target": ["target"], "draft": ["draft"]}.get(method, ["draft", "target"])
+    lms = {r: load_lm(cfg.role(r)) for r in needed}
+    dec = _or_exit(build_decoder, method, cfg, lms, settings, probe)
+
+    def show(step) -> None:
+        if json_out:
+            return
+        if step.author == "draft":
+            tag = typer.style("[draft ✓]", fg=typer.colors.GREEN)
+        else:
+            tag = typer.style(
+                "[target ✎]" if step.proposal is not None else "[target]", fg=typer.colors.YELLOW
+            )
+        extra = f" p={step.p:.2f} q={step.q:.2f}" if step.p is not None else ""
+        typer.echo(f"{tag}{extra} {step.text.rstrip()}")
+
+    res = dec.decode(question, on_step=show)
+    if json_out:
+        typer.echo(json.dumps(res.to_dict(), indent=2, default=str))
+        return
+    typer.echo(f"answer: {res.answer}")
+    acc = "n/a" if res.acceptance_rate is None else f"{res.acceptance_rate:.2f}"
+    typer.echo(
+        f"{res.output_tokens} tokens in {res.timings.total:.1f}s ({res.tokens_per_second:.1f} tok/s), "
+        f"target share {res.target_share:.2f}, step acceptance {acc}"
+    )
+
+
 def metrics_table(res: dict) -> str:
     """Test metrics of every (role, variant) as a markdown table."""
     cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]

@@ -27,6 +27,7 @@ from models.grading import extract_answer
 from models.lm import LM, LMState, Pooled
 
 ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
+StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
 
 
 @dataclass
@@ -96,6 +97,14 @@ class DecodeResult:
     output_tokens: int = 0  # in the target's tokenizer when a target is involved
     target_prefill_tokens: int = 0  # tokens the target prefilled after the prompt (verification)
     finish_reason: str = "length"  # eos | length
+    extra: dict = field(default_factory=dict)  # method-specific figures (e.g. token-level acceptance)
+    on_step: StepCallback | None = field(default=None, repr=False, compare=False)
+
+    def add(self, step: StepRecord) -> None:
+        """Append a step and stream it to ``on_step``."""
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
 
     @property
     def target_tokens(self) -> int:
@@ -126,8 +135,13 @@ class DecodeResult:
     def to_dict(self) -> dict:
         """JSON-serialisable trace."""
         d = asdict(self)
-        d.update(target_share=self.target_share, acceptance_rate=self.acceptance_rate,
-                 prefill_per_output_token=self.prefill_per_output_token, tokens_per_second=self.tokens_per_second)
+        d.pop("on_step", None)
+        d.update(
+            target_share=self.target_share,
+            acceptance_rate=self.acceptance_rate,
+            prefill_per_output_token=self.prefill_per_output_token,
+            tokens_per_second=self.tokens_per_second,
+        )
         return d
 
 
@@ -165,10 +179,10 @@ class SingleModelDecoder:
         """The method name (its role)."""
         return self.role
 
-    def decode(self, question: str) -> DecodeResult:
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
         """Write steps until EOS or the token budget."""
         s, t0 = self.settings, time.perf_counter()
-        res = DecodeResult(self.method, "", None)
+        res = DecodeResult(self.method, "", None, on_step=on_step)
         clock = _Clock(res.timings, "target" if self.role == "target" else "draft")
         with clock:
             state = self.lm.prefill(self.lm.format_prompt(question))
@@ -179,8 +193,11 @@ class SingleModelDecoder:
                 step, state = self.lm.decode_step(state, s.temperature, s.top_p, budget, seed)
             seed += 1
             k = step.num_tokens
-            res.steps.append(StepRecord(self.role, step.text, k if self.role == "draft" else 0,
-                                        k if self.role == "target" else 0))
+            res.add(
+                StepRecord(
+                    self.role, step.text, k if self.role == "draft" else 0, k if self.role == "target" else 0
+                )
+            )
             res.output_tokens += k
             if step.finish_reason == "eos":
                 res.finish_reason = "eos"
@@ -193,18 +210,26 @@ class SemanticSpecDecoder:
 
     method = "semanticspec"
 
-    def __init__(self, draft: LM, target: LM, q_probe: ProbeFn, p_probe: ProbeFn, settings: DecodeSettings) -> None:
-        self.draft, self.target, self.q_probe, self.p_probe, self.settings = draft, target, q_probe, p_probe, settings
+    def __init__(
+        self, draft: LM, target: LM, q_probe: ProbeFn, p_probe: ProbeFn, settings: DecodeSettings
+    ) -> None:
+        self.draft, self.target, self.q_probe, self.p_probe, self.settings = (
+            draft,
+            target,
+            q_probe,
+            p_probe,
+            settings,
+        )
 
     def _budget(self, lm: LM, used: int) -> int:
         s = self.settings
         return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
 
-    def decode(self, question: str) -> DecodeResult:
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
         """Draft, verify with the probes, rewrite rejected steps with the target."""
         s, t0 = self.settings, time.perf_counter()
         rng = random.Random(s.seed)
-        res = DecodeResult(self.method, "", None)
+        res = DecodeResult(self.method, "", None, on_step=on_step)
         tm = res.timings
         with _Clock(tm, "draft"):
             dstate = self.draft.prefill(self.draft.format_prompt(question))
@@ -217,8 +242,9 @@ class SemanticSpecDecoder:
             proposals = []
             with _Clock(tm, "draft"):
                 for _ in range(s.gamma):
-                    step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p,
-                                                          self._budget(self.draft, res.output_tokens), seed)
+                    step, dstate = self.draft.decode_step(
+                        dstate, s.temperature, s.top_p, self._budget(self.draft, res.output_tokens), seed
+                    )
                     seed += 1
                     proposals.append((step, len(dstate.ids)))
                     if step.finish_reason == "eos" or not step.text:
@@ -244,7 +270,7 @@ class SemanticSpecDecoder:
                     accept = False
                 if accept:
                     tstate = score.state
-                    res.steps.append(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), p, q, u))
+                    res.add(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), p, q, u))
                     res.output_tokens += len(score.token_ids)
                     if step.finish_reason == "eos":
                         res.finish_reason = "eos"
@@ -253,8 +279,9 @@ class SemanticSpecDecoder:
                 # 3. rejected: crop the target back, let it write the step itself
                 tstate = t_restore()
                 with _Clock(tm, "target"):
-                    tstep, tstate = self.target.decode_step(tstate, s.temperature, s.top_p,
-                                                            self._budget(self.target, res.output_tokens), seed)
+                    tstep, tstate = self.target.decode_step(
+                        tstate, s.temperature, s.top_p, self._budget(self.target, res.output_tokens), seed
+                    )
                 seed += 1
                 # 4. the draft rolls back to before this proposal and reads the target's step instead
                 with _Clock(tm, "draft"):
@@ -266,8 +293,9 @@ class SemanticSpecDecoder:
                         before = len(dstate.ids)
                         dstate = self.draft.prefill(tstep.text, dstate)
                         draft_ids = len(dstate.ids) - before
-                res.steps.append(StepRecord("target", tstep.text, draft_ids, tstep.num_tokens, p, q, u,
-                                            proposal=step.text))
+                res.add(
+                    StepRecord("target", tstep.text, draft_ids, tstep.num_tokens, p, q, u, proposal=step.text)
+                )
                 res.output_tokens += tstep.num_tokens
                 if tstep.finish_reason == "eos" or not tstep.text:
                     res.finish_reason = "eos"
@@ -305,10 +333,10 @@ class SpecReasonDecoder:
             st2.cache.crop(-extra)
         return score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)
 
-    def decode(self, question: str) -> DecodeResult:
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
         """Draft a step, let the target rate it, rewrite it below the threshold."""
         s, t0 = self.settings, time.perf_counter()
-        res = DecodeResult(self.method, "", None)
+        res = DecodeResult(self.method, "", None, on_step=on_step)
         tm = res.timings
         with _Clock(tm, "draft"):
             dstate = self.draft.prefill(self.draft.format_prompt(question))
@@ -316,7 +344,9 @@ class SpecReasonDecoder:
             tstate = self.target.prefill(self.target.format_prompt(question))
         seed = s.seed
         while res.output_tokens < s.max_new_tokens:
-            budget = min(s.step_tokens or self.draft.spec.max_step_tokens, s.max_new_tokens - res.output_tokens)
+            budget = min(
+                s.step_tokens or self.draft.spec.max_step_tokens, s.max_new_tokens - res.output_tokens
+            )
             d_restore = dstate.checkpoint(budget + 8)
             with _Clock(tm, "draft"):
                 step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed)
@@ -330,7 +360,7 @@ class SpecReasonDecoder:
                 score, k = 0, 0
             if step.text and score >= s.accept_threshold:
                 tstate = new_t
-                res.steps.append(StepRecord("draft", step.text, step.num_tokens, k, score=score))
+                res.add(StepRecord("draft", step.text, step.num_tokens, k, score=score))
                 res.output_tokens += k
                 if step.finish_reason == "eos":
                     res.finish_reason = "eos"
@@ -346,10 +376,77 @@ class SpecReasonDecoder:
                 before = len(dstate.ids)
                 if tstep.text:
                     dstate = self.draft.prefill(tstep.text, dstate)
-            res.steps.append(StepRecord("target", tstep.text, len(dstate.ids) - before, tstep.num_tokens, score=score,
-                                        proposal=step.text))
+            res.add(
+                StepRecord(
+                    "target",
+                    tstep.text,
+                    len(dstate.ids) - before,
+                    tstep.num_tokens,
+                    score=score,
+                    proposal=step.text,
+                )
+            )
             res.output_tokens += tstep.num_tokens
             if tstep.finish_reason == "eos" or not tstep.text:
                 res.finish_reason = "eos"
                 break
+        return _finish(self.method, res, t0, s)
+
+
+class AssistedDecoder:
+    """transformers' assisted generation (universal assisted generation when the tokenizers differ):
+    the industry token-level baseline. Greedy only across different tokenizers."""
+
+    method = "specsampling"
+
+    def __init__(self, draft: LM, target: LM, settings: DecodeSettings) -> None:
+        self.draft, self.target, self.settings = draft, target, settings
+        self.same_vocab = draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+        if settings.temperature > 0 and not self.same_vocab:
+            raise ValueError(
+                "assisted generation across different tokenizers is greedy only: use temperature 0"
+            )
+
+    @torch.inference_mode()
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+        """One ``generate`` call with the draft as assistant; counts forward passes of each model."""
+        s, t0 = self.settings, time.perf_counter()
+        res = DecodeResult(self.method, "", None, on_step=on_step)
+        calls = {"draft": 0, "target": 0}
+        hooks = [
+            m.model.register_forward_hook(lambda *_, r=r: calls.__setitem__(r, calls[r] + 1))
+            for r, m in (("draft", self.draft), ("target", self.target))
+        ]
+        ids = torch.tensor(
+            [self.target.encode(self.target.format_prompt(question))], device=self.target.device
+        )
+        kw = {
+            "max_new_tokens": s.max_new_tokens,
+            "assistant_model": self.draft.model,
+            "do_sample": s.temperature > 0,
+            "pad_token_id": self.target.tokenizer.pad_token_id or self.target.tokenizer.eos_token_id,
+        }
+        if s.temperature > 0:
+            kw.update(temperature=s.temperature, top_p=s.top_p)
+        if not self.same_vocab:
+            kw.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.draft.tokenizer)
+        try:
+            out = self.target.model.generate(ids, **kw)
+        finally:
+            for h in hooks:
+                h.remove()
+        new = out[0, ids.shape[1] :].tolist()
+        eos = bool(new) and new[-1] in self.target.eos_ids
+        text = self.target.tokenizer.decode(new, skip_special_tokens=True)
+        res.output_tokens = len(new)
+        res.finish_reason = "eos" if eos else "length"
+        res.timings.target = time.perf_counter() - t0
+        res.add(StepRecord("target", text, 0, len(new)))
+        # each target pass verifies a block of draft tokens; accepted = emitted - one token per pass
+        res.extra = {
+            "target_forward_passes": calls["target"],
+            "draft_forward_passes": calls["draft"],
+            "tokens_per_target_pass": len(new) / max(1, calls["target"]),
+            "token_acceptance_rate": max(0, len(new) - calls["target"]) / max(1, calls["draft"]),
+        }
         return _finish(self.method, res, t0, s)

@@ -338,11 +338,16 @@ class LM:
         samples, cache = self._sample_loop(state, state.cache, 1, temperature, top_p, max_tokens, seed)
         s = samples[0]
         k = len(s.token_ids)  # the cache now holds state.ids + s.token_ids[:-1]
-        exact = s.finish_reason != "eos" and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
+        exact = (
+            s.finish_reason != "eos"
+            and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
+        )
         if exact:
             # 1. the step is exactly the sampled tokens: feed the last one
             logits, hidden, cache = self.forward(torch.tensor([[s.token_ids[-1]]]), cache)
-            return s, LMState(state.text + s.text, state.ids + s.token_ids, cache, logits[0, -1], hidden[0, -1])
+            return s, LMState(
+                state.text + s.text, state.ids + s.token_ids, cache, logits[0, -1], hidden[0, -1]
+            )
         # 2. EOS, a delimiter cut inside a token, or special tokens: roll back and prefill the text
         if k > 1:
             cache.crop(-(k - 1))

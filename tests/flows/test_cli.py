@@ -7,6 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
+from tests.helpers.pipeline import write_tiny_pair
 from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 runner = CliRunner()
@@ -84,3 +85,58 @@ def test_env_prints_exports():
     assert res.exit_code == 0
     assert "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}" in res.output
     assert "PREFECT_API_URL" in res.output and "127.0.0.1" in res.output
+
+
+def test_decode_without_registered_probes_says_how_to_train(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/empty.db")
+    pair = write_tiny_pair(tmp_path)
+    res = runner.invoke(
+        app, ["decode", "--pair", str(tmp_path / "tiny.yaml"), "--method", "semanticspec", "hi"]
+    )
+    assert res.exit_code == 2
+    assert (
+        "no registered probe semspec-tiny-draft-all@champion" in res.output and "semspec train" in res.output
+    )
+    assert pair.name == "tiny"
+
+
+def test_decode_target_streams_steps_and_json(tmp_path):
+    write_tiny_pair(tmp_path)
+    res = runner.invoke(
+        app,
+        [
+            "decode",
+            "--pair",
+            str(tmp_path / "tiny.yaml"),
+            "--method",
+            "target",
+            "--max-new-tokens",
+            "12",
+            "hi",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "[target]" in res.output and "tokens in" in res.output
+    res = runner.invoke(
+        app,
+        [
+            "decode",
+            "--pair",
+            str(tmp_path / "tiny.yaml"),
+            "--method",
+            "target",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "hi",
+        ],
+    )
+    import json
+
+    trace = json.loads(res.output[res.output.index("{") :])
+    assert trace["method"] == "target" and trace["output_tokens"] <= 6 and trace["steps"]
+
+
+def test_decode_rejects_unknown_method():
+    res = runner.invoke(app, ["decode", "--method", "beam", "hi"])
+    assert res.exit_code != 0

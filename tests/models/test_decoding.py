@@ -26,7 +26,9 @@ SETTINGS = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0)
 def test_always_reject_reproduces_the_target(pair):
     draft, target = pair
     ref = SingleModelDecoder(target, SETTINGS, "target").decode(Q)
-    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.0, settings=SETTINGS).decode(Q)
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.0, settings=SETTINGS
+    ).decode(Q)
     assert res.text == ref.text
     assert [s.text for s in res.steps] == [s.text for s in ref.steps]
     assert all(s.author == "target" for s in res.steps)
@@ -37,7 +39,9 @@ def test_always_reject_reproduces_the_target(pair):
 def test_always_accept_reproduces_the_draft_step_for_step(pair):
     draft, target = pair
     ref = SingleModelDecoder(draft, SETTINGS, "draft").decode(Q)
-    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 0.1, p_probe=lambda h: 1.0, settings=SETTINGS).decode(Q)
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 0.1, p_probe=lambda h: 1.0, settings=SETTINGS
+    ).decode(Q)
     assert [s.text for s in res.steps] == [s.text for s in ref.steps if s.text][: len(res.steps)]
     assert all(s.author == "draft" for s in res.steps)
     assert res.target_share == 0.0 and res.acceptance_rate == 1.0
@@ -49,8 +53,9 @@ def test_mixed_decisions_keep_both_caches_consistent(pair):
     draft, target = pair
     probs = iter([0.9, 0.05] * 50)
     settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3)
-    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs),
-                              settings=settings).decode(Q)
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs), settings=settings
+    ).decode(Q)
     authors = {s.author for s in res.steps}
     assert authors == {"draft", "target"}, "this test needs both accepts and rejects"
     for s in res.steps:
@@ -64,13 +69,18 @@ def test_mixed_decisions_keep_both_caches_consistent(pair):
         budget = min(8, 60 - sum(x.target_tokens for x in res.steps[:i]))
         fresh, _ = target.decode_step(state, 0.0, 1.0, budget)
         assert fresh.text == s.text, f"step {i}: cached decoding diverged from a fresh prefill"
-    assert res.timings.total >= res.timings.draft + res.timings.verify + res.timings.target + res.timings.probe - 1e-6
+    assert (
+        res.timings.total
+        >= res.timings.draft + res.timings.verify + res.timings.target + res.timings.probe - 1e-6
+    )
 
 
 def test_min_ratio_rejects_low_ratios(pair):
     draft, target = pair
     settings = DecodeSettings(max_new_tokens=30, step_tokens=8, temperature=0.0, min_ratio=0.9)
-    res = SemanticSpecDecoder(draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.5, settings=settings).decode(Q)
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.5, settings=settings
+    ).decode(Q)
     assert all(s.author == "target" for s in res.steps)
 
 
@@ -104,15 +114,16 @@ def test_specreason_low_scores_are_rewritten_by_the_target(pair, monkeypatch):
 
 
 def test_result_fields_and_answer_extraction(pair):
-    draft, target = pair
+    _, target = pair
     res = SingleModelDecoder(target, DecodeSettings(max_new_tokens=12, step_tokens=4), "target").decode(Q)
     assert res.output_tokens <= 12 and res.method == "target"
     d = res.to_dict()
     assert {"text", "answer", "steps", "timings", "target_share", "tokens_per_second"} <= set(d)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"gamma": 0}, {"min_ratio": -1}, {"accept_threshold": 10},
-                                    {"top_p": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_new_tokens": 0}, {"gamma": 0}, {"min_ratio": -1}, {"accept_threshold": 10}, {"top_p": 0}]
+)
 def test_bad_settings(kwargs):
     with pytest.raises(ValueError):
         DecodeSettings(**kwargs)

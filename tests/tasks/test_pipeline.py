@@ -270,3 +270,21 @@ def test_sample_resumes_after_a_kill(tmp_path):
         t = read_shards(tmp_path / "samples" / role, columns=["prefix_id", "sample_idx"]).to_pylist()
         assert len(t) == 8 * 16 and len({(r["prefix_id"], r["sample_idx"]) for r in t}) == len(t)
     assert not list(shards.glob("*.tmp")), "no temp file may survive"
+
+
+def test_semanticspec_decoder_uses_the_registered_probes(stages, trained):
+    from models.decoding import DecodeSettings
+    from tasks.decode import build_decoder
+
+    pair = stages["pair"]
+    lms = {r: load_lm(pair.role(r)) for r in ("draft", "target")}
+    settings = DecodeSettings(max_new_tokens=16, step_tokens=4)
+    for variant in ("random", "all", "mix"):
+        res = build_decoder("semanticspec", pair, lms, settings, variant).decode("What is 1 + 1?")
+        assert res.output_tokens > 0 and all(
+            (0 <= s.p <= 1 and 0 < s.q < 1) or variant == "random" for s in res.steps
+        )
+    with pytest.raises(ValueError, match="unknown probe variant"):
+        build_decoder("semanticspec", pair, lms, settings, "best")
+    with pytest.raises(ValueError, match="unknown method"):
+        build_decoder("beam", pair, lms, settings)

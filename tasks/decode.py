@@ -1,0 +1,47 @@
+"""Stage ``decode``: build any decoder for a pair, with its probes loaded from the MLflow registry."""
+
+from __future__ import annotations
+
+import logging
+
+from models.decoding import (
+    AssistedDecoder,
+    DecodeSettings,
+    SemanticSpecDecoder,
+    SingleModelDecoder,
+    SpecReasonDecoder,
+)
+from models.lm import LM
+from models.probe import probe_probability
+from models.spec import PairConfig
+from tasks.registry import load_probe
+
+log = logging.getLogger(__name__)
+
+METHODS = ("target", "draft", "semanticspec", "specsampling", "specreason")
+PROBE_VARIANTS = ("random", "last", "all", "mix")
+
+
+def probe_fn(pair: str, role: str, variant: str, lm: LM):
+    """The registered ``champion`` probe of ``role`` as a function of pooled hidden states."""
+    probe = load_probe(pair, role, variant, lm.model_id, lm.hidden_size)
+    return lambda pooled: probe_probability(probe, pooled)
+
+
+def build_decoder(
+    method: str, pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, variant: str = "all"
+):
+    """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if method in ("target", "draft"):
+        return SingleModelDecoder(lms[method], settings, method)
+    if method == "specsampling":
+        return AssistedDecoder(lms["draft"], lms["target"], settings)
+    if method == "specreason":
+        return SpecReasonDecoder(lms["draft"], lms["target"], settings)
+    if variant not in PROBE_VARIANTS:
+        raise ValueError(f"unknown probe variant {variant!r}; expected one of {PROBE_VARIANTS}")
+    q = probe_fn(pair.name, "draft", variant, lms["draft"])
+    p = probe_fn(pair.name, "target", variant, lms["target"])
+    return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings)
