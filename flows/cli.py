@@ -345,6 +345,78 @@ def decode(
     )
 
 
+@app.command()
+def evaluate(
+    out: Annotated[
+        str | None, typer.Option(help="Folder for <benchmark>/<method>.jsonl and metrics.json.")
+    ] = None,
+    plots: Annotated[str | None, typer.Option(help="Folder for the evaluation plots.")] = None,
+    metrics: Annotated[
+        str | None, typer.Option(help="Summary JSON for DVC (default reports/<pair>/eval_metrics.json).")
+    ] = None,
+    params: ParamsOpt = None,
+    profile: ProfileOpt = None,
+    set_: SetOpt = None,
+    pair: PairOverride = None,
+) -> None:
+    """Stage evaluate: every method on the benchmarks (pass@1, latency, TPS, target share, speed-up)."""
+    import shutil
+
+    from tasks.evaluate import run_evaluate
+
+    p, cfg = _params(params, profile, set_, pair)
+    out_dir = Path(out) if out else Path("eval") / cfg.name
+    res = _or_exit(
+        run_evaluate,
+        p.evaluate,
+        cfg,
+        out_dir,
+        Path(plots) if plots else Path("reports") / cfg.name / "eval",
+        None,
+        p.ingest.data_dir,
+    )
+    dest = Path(metrics) if metrics else Path("reports") / cfg.name / "eval_metrics.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_dir / "metrics.json", dest)
+    typer.echo(eval_table(res))
+
+
+def eval_table(res: dict) -> str:
+    """Evaluation metrics as a markdown table (one row per benchmark and method)."""
+    cols = ["pass@1", "latency_s", "tps", "target_share", "step_acceptance", "speedup_vs_target", "n"]
+    lines = ["| benchmark | method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for bench, ms in res.items():
+        for m, v in ms.items():
+            cells = [
+                "n/a" if v[c] is None else f"{v[c]:.3f}" if isinstance(v[c], float) else str(v[c])
+                for c in cols
+            ]
+            lines.append(f"| {bench} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@app.command()
+def bench(
+    pair: PairOpt = "embedded",
+    n: Annotated[int, typer.Option(help="Questions (arithmetic test split).")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Output budget per question.")] = 96,
+    assisted: Annotated[bool, typer.Option(help="Include transformers' assisted generation.")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Time target, assisted generation and SemanticSpec (each registered probe) on the same questions."""
+    import json
+
+    from models.decoding import DecodeSettings
+    from models.lm import load_lm
+    from models.spec import load_pair
+    from tasks.bench import format_bench, run_bench
+
+    cfg = _or_exit(load_pair, pair)
+    lms = {r: load_lm(cfg.role(r)) for r in ("draft", "target")}
+    summary = _or_exit(run_bench, cfg, lms, n, DecodeSettings(max_new_tokens=max_new_tokens), 0, assisted)
+    typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
+
+
 def metrics_table(res: dict) -> str:
     """Test metrics of every (role, variant) as a markdown table."""
     cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]

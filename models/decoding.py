@@ -393,6 +393,41 @@ class SpecReasonDecoder:
         return _finish(self.method, res, t0, s)
 
 
+class TokenSpecDecoder:
+    """Token-level speculative sampling (Leviathan et al.) for pairs that share a vocabulary."""
+
+    method = "specsampling"
+
+    def __init__(self, draft: LM, target: LM, settings: DecodeSettings, lookahead: int = 4) -> None:
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError("token-level speculative sampling needs one vocabulary; use assisted generation")
+        self.draft, self.target, self.settings, self.lookahead = draft, target, settings, lookahead
+
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+        """Sample the answer token by token with draft proposals verified by the target."""
+        s, t0 = self.settings, time.perf_counter()
+        res = DecodeResult(self.method, "", None, on_step=on_step)
+        ids = self.target.encode(self.target.format_prompt(question))
+        new, stats = speculative_sample(
+            self.draft.model,
+            self.target.model,
+            ids,
+            s.max_new_tokens,
+            self.lookahead,
+            s.temperature or 1e-4,
+            torch.Generator().manual_seed(s.seed),
+            self.target.eos_ids,
+        )
+        res.output_tokens = len(new)
+        res.finish_reason = "eos" if new and new[-1] in self.target.eos_ids else "length"
+        res.timings.target = time.perf_counter() - t0
+        res.add(
+            StepRecord("target", self.target.tokenizer.decode(new, skip_special_tokens=True), 0, len(new))
+        )
+        res.extra = {**stats, "token_acceptance_rate": stats["accepted"] / max(1, stats["proposed"])}
+        return _finish(self.method, res, t0, s)
+
+
 class AssistedDecoder:
     """transformers' assisted generation (universal assisted generation when the tokenizers differ):
     the industry token-level baseline. Greedy only across different tokenizers."""
@@ -450,3 +485,84 @@ class AssistedDecoder:
             "token_acceptance_rate": max(0, len(new) - calls["target"]) / max(1, calls["draft"]),
         }
         return _finish(self.method, res, t0, s)
+
+
+@torch.inference_mode()
+def speculative_sample(
+    draft_model,
+    target_model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    lookahead: int = 4,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_ids: set[int] | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """Token-level speculative sampling (Leviathan et al. 2023) for two models sharing a vocabulary.
+
+    The output is distributed exactly as sampling from the target at ``temperature``. Returns the new
+    ids and counts (proposed, accepted, target forward passes).
+    """
+    from transformers.cache_utils import DynamicCache
+
+    if lookahead < 1 or max_new_tokens < 1 or temperature <= 0:
+        raise ValueError("lookahead and max_new_tokens must be >= 1 and temperature > 0")
+    gen = generator or torch.Generator().manual_seed(0)
+    eos_ids = eos_ids or set()
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> (..., V) float64
+        return torch.softmax(logits.double() / temperature, dim=-1)
+
+    def run(model, ids: list[int], cache) -> torch.Tensor:  # ids (T,) -> logits (T, V)
+        return model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
+
+    dcache, tcache = DynamicCache(config=draft_model.config), DynamicCache(config=target_model.config)
+    d_last = run(draft_model, prompt_ids, dcache)[-1]  # (V,)
+    t_last = run(target_model, prompt_ids, tcache)[-1]  # (V,)
+    out: list[int] = []
+    stats = {"proposed": 0, "accepted": 0, "target_passes": 1}
+    while len(out) < max_new_tokens:
+        k = min(lookahead, max_new_tokens - len(out))
+        # 1. the draft proposes k tokens, keeping each proposal distribution q_i
+        xs, qs, logits = [], [], d_last
+        for _ in range(k):
+            q = probs(logits)
+            x = int(torch.multinomial(q.float(), 1, generator=gen))
+            xs.append(x)
+            qs.append(q)
+            logits = run(draft_model, [x], dcache)[-1]
+        # 2. one target pass scores every proposal: p_0 from the cache, p_1..p_k from the pass
+        t_logits = run(target_model, xs, tcache)  # (k, V)
+        stats["target_passes"] += 1
+        ps = [probs(t_last)] + [probs(t_logits[i]) for i in range(k)]
+        # 3. accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on rejection resample from (p - q)+
+        n_ok, new = 0, None
+        for i, x in enumerate(xs):
+            if torch.rand(1, generator=gen).item() < min(1.0, float(ps[i][x] / qs[i][x])):
+                n_ok += 1
+                continue
+            resid = (ps[i] - qs[i]).clamp_min(0)
+            new = int(torch.multinomial((resid / resid.sum()).float(), 1, generator=gen))
+            break
+        if new is None:
+            new = int(torch.multinomial(ps[k].float(), 1, generator=gen))
+        stats["proposed"] += k
+        stats["accepted"] += n_ok
+        # 4. keep the accepted prefix in both caches, then feed the corrected / bonus token
+        drop = k - n_ok
+        if drop:
+            tcache.crop(-drop)
+            dcache.crop(-drop)
+        out.extend(xs[:n_ok])
+        if len(out) >= max_new_tokens or any(t in eos_ids for t in xs[:n_ok]):
+            break
+        out.append(new)
+        t_last = run(target_model, [new], tcache)[-1]
+        d_last = run(draft_model, [new], dcache)[-1]
+        if new in eos_ids:
+            break
+    for i, t in enumerate(out):  # stop at the first EOS
+        if t in eos_ids:
+            out = out[: i + 1]
+            break
+    return out[:max_new_tokens], stats

@@ -152,6 +152,54 @@ class TrainConfig:
         return self.hidden_target if role == "target" else self.hidden_draft
 
 
+EVAL_BENCHMARKS = ("arith", "math500", "aime24", "amc23", "gpqa")
+EVAL_METHODS = ("target", "draft", "semanticspec", "specsampling", "specreason")
+
+
+@dataclass
+class EvaluateConfig:
+    """Benchmark evaluation of every decoding method."""
+
+    benchmarks: dict[str, int] = field(
+        default_factory=lambda: {"arith": 4, "math500": 2}
+    )  # name -> problems (0: all)
+    methods: list[str] = field(
+        default_factory=lambda: ["target", "draft", "specsampling", "specreason", "semanticspec"]
+    )
+    probe_variants: list[str] = field(
+        default_factory=lambda: ["random", "last", "all", "mix"]
+    )  # for semanticspec
+    seeds: list[int] = field(default_factory=lambda: [0])
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    gamma: int = 1
+    min_ratio: float | None = None
+    subset_seed: int = 0  # which problems of each benchmark are taken
+
+    def __post_init__(self) -> None:
+        bad = set(self.benchmarks) - set(EVAL_BENCHMARKS)
+        if bad or not self.benchmarks:
+            raise ValueError(
+                f"evaluate: field 'benchmarks' must name some of {EVAL_BENCHMARKS}, got {sorted(bad)}"
+            )
+        if any(not isinstance(v, int) or v < 0 for v in self.benchmarks.values()):
+            raise ValueError("evaluate: field 'benchmarks' maps names to problem counts >= 0 (0: all)")
+        if not self.methods or set(self.methods) - set(EVAL_METHODS):
+            raise ValueError(f"evaluate: field 'methods' must be a non-empty subset of {EVAL_METHODS}")
+        if set(self.probe_variants) - set(VARIANTS):
+            raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {VARIANTS}")
+        if not self.seeds:
+            raise ValueError("evaluate: field 'seeds' needs at least one seed")
+        _positive("evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma)
+
+    def method_labels(self) -> list[str]:
+        """One label per evaluated decoder: semanticspec expands to semanticspec-<variant>."""
+        out = []
+        for m in self.methods:
+            out += [f"semanticspec-{v}" for v in self.probe_variants] if m == "semanticspec" else [m]
+        return out
+
+
 @dataclass
 class Params:
     """Everything the pipeline reads, for one run."""
@@ -162,14 +210,21 @@ class Params:
     sample: SampleConfig = field(default_factory=SampleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for logging)."""
         return asdict(self)
 
 
-_SECTIONS = {"ingest": IngestConfig, "sample": SampleConfig, "cluster": ClusterConfig, "train": TrainConfig}
-_EXTRA_KEYS = {"evaluate", "decode", "services", "retrain"}  # owned by later stages; passed through
+_SECTIONS = {
+    "ingest": IngestConfig,
+    "sample": SampleConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+}
+_EXTRA_KEYS = {"decode", "services", "retrain"}  # owned by later stages; passed through
 
 
 def _merge(base: dict, over: dict) -> dict:

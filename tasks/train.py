@@ -173,7 +173,8 @@ def fit_probe(
 ) -> nn.Module:
     """Train one probe (or build the Random one) on the train split, early-stopped on validation MSE."""
     if variant == "random":
-        return RandomProbe(data.hidden_size, "all", seed=cfg.seed)
+        # each role gets its own stream: equal seeds would make p == q and accept every step
+        return RandomProbe(data.hidden_size, "all", seed=2 * cfg.seed + (role == "target"))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     x = torch.from_numpy(data.x[variant]).float()
     y = torch.from_numpy(data.y)

@@ -288,3 +288,52 @@ def test_semanticspec_decoder_uses_the_registered_probes(stages, trained):
         build_decoder("semanticspec", pair, lms, settings, "best")
     with pytest.raises(ValueError, match="unknown method"):
         build_decoder("beam", pair, lms, settings)
+
+
+def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
+    from tasks.evaluate import run_evaluate
+
+    tmp = stages["tmp"]
+    pair = stages["pair"]
+    cfg = load_params(
+        profile="tiny", overrides=["evaluate.benchmarks={arith: 2}", "evaluate.seeds=[0, 1]"]
+    ).evaluate
+    lms = {r: load_lm(pair.role(r)) for r in ("draft", "target")}
+    res = run_evaluate(cfg, pair, tmp / "eval", tmp / "eval_plots", lms=lms)
+    labels = ["target", "draft", "semanticspec-random", "semanticspec-all"]
+    assert list(res["arith"]) == labels
+    for label in labels:
+        rows = [
+            json.loads(line) for line in (tmp / "eval" / "arith" / f"{label}.jsonl").read_text().splitlines()
+        ]
+        assert len(rows) == 2 * 2 and {r["seed"] for r in rows} == {0, 1}
+        m = res["arith"][label]
+        assert m["pass@1"] == pytest.approx(sum(r["correct"] for r in rows) / 4)
+        assert m["n"] == 4 and m["tps"] > 0
+    assert res["arith"]["target"]["speedup_vs_target"] == pytest.approx(1.0)
+    assert res["arith"]["target"]["target_share"] == 1.0 and res["arith"]["draft"]["target_share"] == 0.0
+    assert json.loads((tmp / "eval" / "metrics.json").read_text()) == json.loads(json.dumps(res))
+    assert {p.name for p in (tmp / "eval_plots").glob("*.png")} == {
+        "pass_vs_latency-arith.png",
+        "tps.png",
+        "acceptance_vs_ratio.png",
+    }
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_names=["semspec-tiny"], filter_string="tags.stage = 'evaluate'")
+    assert sorted(runs["tags.mlflow.runName"]) == sorted(f"eval-{x}" for x in labels)
+    assert runs["metrics.arith_pass_at_1"].notna().all() and runs["metrics.arith_tps"].notna().all()
+
+
+def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
+    from models.lm import Pooled
+    from models.probe import probe_probability
+    from tasks.registry import load_probe
+
+    q = load_probe("tiny", "draft", "random", "tiny-draft", 32)
+    p = load_probe("tiny", "target", "random", "tiny-target", 64)
+    qs = [probe_probability(q, Pooled(torch.zeros(3, 32))) for _ in range(20)]
+    ps = [probe_probability(p, Pooled(torch.zeros(3, 64))) for _ in range(20)]
+    assert qs != ps, "p == q would accept every step: the Random ablation must draw independently"
+    ratios = [min(1.0, a / b) for a, b in zip(ps, qs, strict=True)]
+    assert 0.4 < sum(ratios) / len(ratios) < 0.95

@@ -1,0 +1,107 @@
+"""Speed benchmark: the same questions through every method, interleaved, timed in one run."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from models.decoding import DecodeResult, DecodeSettings
+from models.lm import LM
+from models.spec import PairConfig
+from tasks.data import generate_arith
+from tasks.decode import PROBE_VARIANTS, build_decoder
+
+log = logging.getLogger(__name__)
+
+
+def bench_methods(pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, with_assisted: bool = True):
+    """(label, decoder) for target, assisted generation and SemanticSpec with every registered probe."""
+    out = [("target", build_decoder("target", pair, lms, settings))]
+    if with_assisted:
+        out.append(("specsampling", build_decoder("specsampling", pair, lms, settings)))
+    for v in PROBE_VARIANTS:
+        try:
+            out.append((f"semanticspec-{v}", build_decoder("semanticspec", pair, lms, settings, v)))
+        except ValueError as e:  # not registered for this pair: say so, bench the rest
+            log.warning("skipping semanticspec-%s: %s", v, e)
+    return out
+
+
+def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any]]:
+    """Per method: median ms per output token, ratio to target, where the time goes, acceptance."""
+    per_tok = {m: [r.timings.total / max(1, r.output_tokens) for r in rs] for m, rs in results.items()}
+    base = statistics.median(per_tok["target"]) if "target" in per_tok else None
+    out = {}
+    for m, rs in results.items():
+        total = sum(r.timings.total for r in rs) or 1.0
+        med = statistics.median(per_tok[m])
+        acc = [r.acceptance_rate for r in rs if r.acceptance_rate is not None]
+        out[m] = {
+            "ms_per_token": 1000 * med,
+            "speedup_vs_target": base / med if base else None,
+            "output_tokens": sum(r.output_tokens for r in rs),
+            "share_draft": sum(r.timings.draft for r in rs) / total,
+            "share_verify": sum(r.timings.verify for r in rs) / total,
+            "share_target": sum(r.timings.target for r in rs) / total,
+            "share_probe": sum(r.timings.probe for r in rs) / total,
+            "step_acceptance": statistics.mean(acc) if acc else None,
+            "target_share": statistics.mean(r.target_share for r in rs),
+            "prefill_per_output_token": statistics.mean(r.prefill_per_output_token for r in rs),
+        }
+        tok_acc = [r.extra["token_acceptance_rate"] for r in rs if "token_acceptance_rate" in r.extra]
+        if tok_acc:
+            out[m]["token_acceptance"] = statistics.mean(tok_acc)
+    return out
+
+
+def run_bench(
+    pair: PairConfig,
+    lms: dict[str, LM],
+    n: int,
+    settings: DecodeSettings,
+    seed: int = 0,
+    with_assisted: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    methods = bench_methods(pair, lms, settings, with_assisted)
+    questions = [p.question for p in generate_arith(n, "test", seed=seed)]
+    results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
+    with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:
+        for i, q in enumerate(questions):
+            k = i % len(methods)
+            for label, dec in methods[k:] + methods[:k]:  # interleaved, rotated: no method always runs first
+                results[label].append(dec.decode(q))
+                bar.update(1)
+    return summarize(results)
+
+
+def format_bench(summary: dict[str, dict[str, Any]]) -> str:
+    """The summary as an aligned text table."""
+    cols = [
+        "ms/tok",
+        "vs target",
+        "draft",
+        "verify",
+        "target",
+        "probe",
+        "step acc",
+        "target share",
+        "prefill/out",
+    ]
+    lines = [f"{'method':20s} " + " ".join(f"{c:>12s}" for c in cols)]
+    for m, s in summary.items():
+
+        def f(v, pct=False):
+            return f"{'n/a':>12s}" if v is None else (f"{100 * v:11.1f}%" if pct else f"{v:12.2f}")
+
+        lines.append(
+            f"{m:20s} {f(s['ms_per_token'])} {f(s['speedup_vs_target'])} {f(s['share_draft'], True)} "
+            f"{f(s['share_verify'], True)} {f(s['share_target'], True)} {f(s['share_probe'], True)} "
+            f"{f(s['step_acceptance'])} {f(s['target_share'])} {f(s['prefill_per_output_token'])}"
+        )
+    return "\n".join(lines)
