@@ -386,6 +386,9 @@ def eval_table(res: dict) -> str:
     cols = ["pass@1", "latency_s", "tps", "target_share", "step_acceptance", "speedup_vs_target", "n"]
     lines = ["| benchmark | method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for bench, ms in res.items():
+        if bench.startswith("_"):
+            lines += [f"| {b} | skipped: {why} |" for b, why in ms.items()]
+            continue
         for m, v in ms.items():
             cells = [
                 "n/a" if v[c] is None else f"{v[c]:.3f}" if isinstance(v[c], float) else str(v[c])

@@ -147,11 +147,13 @@ def _field(row: dict[str, Any], *names: str) -> Any:
 def _hub_rows(hub_id: str, split: str, config: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     import datasets  # heavy; only when reading from the Hub
 
-    ds = (
-        datasets.load_dataset(hub_id, config, split=split)
-        if config
-        else datasets.load_dataset(hub_id, split=split)
-    )
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except (ConnectionError, FileNotFoundError, OSError) as e:
+        raise ValueError(
+            f"cannot load {hub_id} from the Hugging Face Hub ({type(e).__name__}: {e}); "
+            f"set SEMSPEC_DATA_DIR to a local copy of the data"
+        ) from None
     for i, row in enumerate(ds, start=1):
         yield i, dict(row)
 

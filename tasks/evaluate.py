@@ -91,7 +91,15 @@ def run_evaluate(
     lms = lms or {r: load_lm(pair.role(r)) for r in ("draft", "target")}
     labels = cfg.method_labels()
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    problems = {b: eval_problems(b, n, cfg.subset_seed, data_dir) for b, n in cfg.benchmarks.items()}
+    problems, skipped = {}, {}
+    for b, n in cfg.benchmarks.items():
+        try:
+            problems[b] = eval_problems(b, n, cfg.subset_seed, data_dir)
+        except ValueError as e:  # a benchmark that is neither local nor reachable: say so, evaluate the rest
+            log.warning("evaluate: skipping %s: %s", b, e)
+            skipped[b] = str(e)
+    if not problems:
+        raise ValueError(f"no benchmark could be loaded: {skipped}")
     total = sum(len(p) for p in problems.values()) * len(cfg.seeds) * len(labels)
     with tqdm(total=total, desc="evaluate", unit="decode") as bar:
         for bench, probs in problems.items():
@@ -143,6 +151,8 @@ def run_evaluate(
         base = rows.get((bench, "target"))
         base_lat = statistics.mean(r["latency_s"] for r in base) if base else None
         metrics[bench] = {label: summarize_rows(rows[(bench, label)], base_lat) for label in labels}
+    if skipped:
+        metrics["_skipped"] = skipped
     write_json_atomic(metrics, out_dir / "metrics.json")
     if plots_dir is not None:
         write_plots(metrics, rows, plots_dir)
@@ -162,6 +172,7 @@ def write_plots(
 
     plots_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    metrics = {b: ms for b, ms in metrics.items() if not b.startswith("_")}
     for bench, ms in metrics.items():
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for label, m in ms.items():
@@ -238,6 +249,8 @@ def log_to_mlflow(
                 }
             )
             for bench, ms in metrics.items():
+                if bench.startswith("_"):
+                    continue
                 m = ms[label]
                 mlflow.log_metrics(
                     {

@@ -75,8 +75,7 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM |
             target = target or load_lm(pair.target)
             chain = write_trace(target, prob.question, cfg.trace_max_tokens)
             generated += 1
-        chain = chain if chain is not None else prob.solution
-        steps = split_steps(chain, cfg.split_strategy)
+        steps = split_steps(chain or "", cfg.split_strategy) or split_steps(prob.solution, cfg.split_strategy)
         if not steps:
             no_chain += 1
             continue

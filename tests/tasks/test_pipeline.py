@@ -337,3 +337,33 @@ def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
     assert qs != ps, "p == q would accept every step: the Random ablation must draw independently"
     ratios = [min(1.0, a / b) for a, b in zip(ps, qs, strict=True)]
     assert 0.4 < sum(ratios) / len(ratios) < 0.95
+
+
+def test_ingest_has_the_target_write_missing_traces(tmp_path):
+    from tasks.ingest import write_trace
+    from tests.helpers.tiny import tiny_lm
+
+    target = tiny_lm(boost=2.0, max_step_tokens=6)
+    trace = write_trace(target, "What is 2+2?", max_tokens=20)
+    assert trace and len(target.tokenizer(trace, add_special_tokens=False)["input_ids"]) <= 24
+    (tmp_path / "s1k").mkdir()
+    (tmp_path / "s1k" / "train.jsonl").write_text(
+        json.dumps({"question": "What is 2+2?", "solution": "4"})
+        + "\n"
+        + json.dumps({"question": "What is 3+3?", "solution": "6"})
+        + "\n"
+    )
+    pair = write_tiny_pair(tmp_path / "pair")
+    p = load_params(
+        overrides=[
+            "ingest.source=s1k",
+            "ingest.generate_traces=true",
+            "ingest.trace_max_tokens=16",
+            f"ingest.data_dir={tmp_path}",
+            "ingest.max_prefixes_per_question=50",
+        ]
+    )
+    out = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet", target=target)
+    rows = pq.read_table(out).to_pylist()
+    assert {r["question_id"] for r in rows} == {"s1k-1", "s1k-2"}
+    assert all(r["domain"] == "unknown" for r in rows)
