@@ -166,6 +166,15 @@ def _finish(method: str, res: DecodeResult, t0: float, settings: DecodeSettings)
     return res
 
 
+def _prefill_pair(draft: LM, target: LM, question: str, tm: Timings) -> tuple[LMState, LMState]:
+    """Both models read the prompt once (timed as draft and target work)."""
+    with _Clock(tm, "draft"):
+        dstate = draft.prefill(draft.format_prompt(question))
+    with _Clock(tm, "target"):
+        tstate = target.prefill(target.format_prompt(question))
+    return dstate, tstate
+
+
 class SingleModelDecoder:
     """``target`` or ``draft``: one model writes every step."""
 
@@ -231,10 +240,7 @@ class SemanticSpecDecoder:
         rng = random.Random(s.seed)
         res = DecodeResult(self.method, "", None, on_step=on_step)
         tm = res.timings
-        with _Clock(tm, "draft"):
-            dstate = self.draft.prefill(self.draft.format_prompt(question))
-        with _Clock(tm, "target"):
-            tstate = self.target.prefill(self.target.format_prompt(question))
+        dstate, tstate = _prefill_pair(self.draft, self.target, question, tm)
         seed = s.seed
         while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
             # 1. the draft proposes up to gamma steps, advancing its own cache
@@ -338,10 +344,7 @@ class SpecReasonDecoder:
         s, t0 = self.settings, time.perf_counter()
         res = DecodeResult(self.method, "", None, on_step=on_step)
         tm = res.timings
-        with _Clock(tm, "draft"):
-            dstate = self.draft.prefill(self.draft.format_prompt(question))
-        with _Clock(tm, "target"):
-            tstate = self.target.prefill(self.target.format_prompt(question))
+        dstate, tstate = _prefill_pair(self.draft, self.target, question, tm)
         seed = s.seed
         while res.output_tokens < s.max_new_tokens:
             budget = min(
