@@ -176,11 +176,14 @@ def write_plots(
     for bench, ms in metrics.items():
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for label, m in ms.items():
-            ax.scatter(m["latency_s"], m["pass@1"], s=40)
-            ax.annotate(
-                label, (m["latency_s"], m["pass@1"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
-            )
-        ax.set(xlabel="latency per problem (s)", ylabel="pass@1", title=f"{bench}: accuracy vs latency")
+            ax.scatter(m["latency_s"], m["pass@1"], s=40, label=label)
+        ax.set(
+            xlabel="latency per problem (s)",
+            ylabel="pass@1",
+            ylim=(-0.05, 1.05),
+            title=f"{bench}: accuracy vs latency",
+        )
+        ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         paths.append(plots_dir / f"pass_vs_latency-{bench}.png")
         fig.savefig(paths[-1], dpi=90)
