@@ -263,7 +263,7 @@ class SemanticSpecDecoder:
                     q = self.q_probe(step.pooled)
                 if step.text:
                     with _Clock(tm, "verify"):
-                        score = self.target.score_step(tstate, step.text, inplace=True)
+                        score = self.target.score_step(tstate, step.text, inplace=True, logprobs=False)
                     res.target_prefill_tokens += len(score.token_ids)
                     with _Clock(tm, "probe"):
                         p = self.p_probe(score.pooled)

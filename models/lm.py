@@ -173,7 +173,7 @@ class StepScore:
 
     pooled: Pooled
     token_ids: list[int]
-    logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model
+    logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model (empty when not asked for)
     state: LMState  # the context extended by the step
 
 
@@ -234,11 +234,23 @@ class LM:
 
     # ----------------------------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor, Cache]:
-        """One forward pass. ``ids`` (B, T) -> logits (B, T, V) float32, hidden (B, T, L+1, D) float32, cache."""
+    def forward(
+        self, ids: torch.Tensor, cache: Cache | None, all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, Cache]:
+        """One forward pass. ``ids`` (B, T) -> logits (B, T or 1, V) float32, hidden (B, T, L+1, D) float32, cache.
+
+        Logits are computed for the last position only unless ``all_logits``: with a large vocabulary
+        (Gemma: 262k) the output head costs as much as the rest of the model per position.
+        """
         if cache is None:
             cache = DynamicCache(config=self.model.config)
-        out = self.model(ids.to(self.device), cache=cache, use_cache=True, output_hidden_states=True)
+        out = self.model(
+            ids.to(self.device),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
         hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
         return out.logits.float(), hidden, out.cache
 
@@ -253,37 +265,44 @@ class LM:
         logits, hidden, cache = self.forward(torch.tensor([ids]), None)
         return LMState(text, ids, cache, logits[0, -1], hidden[0, -1])
 
-    def extend(self, state: LMState, text: str) -> tuple[LMState, list[int], torch.Tensor, torch.Tensor]:
+    def extend(
+        self, state: LMState, text: str, all_logits: bool = False
+    ) -> tuple[LMState, list[int], torch.Tensor, torch.Tensor]:
         """Append ``text`` to ``state`` in one prefill (mutates ``state.cache``; clone first to keep it).
 
         Returns the new state, the appended ids, and the outputs at the appended positions:
-        logits (k, V) and hidden (k, L+1, D).
+        logits (k, V) with ``all_logits`` else (1, V) for the last one, and hidden (k, L+1, D).
         """
         new_ids = self.continuation_ids(state.text, state.ids, text)
         if not new_ids:
             raise ValueError("cannot extend a context by an empty string")
-        logits, hidden, cache = self.forward(torch.tensor([new_ids]), state.cache)
+        logits, hidden, cache = self.forward(torch.tensor([new_ids]), state.cache, all_logits)
         new_state = LMState(state.text + text, state.ids + new_ids, cache, logits[0, -1], hidden[0, -1])
         return new_state, new_ids, logits[0], hidden[0]
 
-    def score_step(self, context: str | LMState, step_text: str, inplace: bool = False) -> StepScore:
+    def score_step(
+        self, context: str | LMState, step_text: str, inplace: bool = False, logprobs: bool = True
+    ) -> StepScore:
         """Prefill ``step_text`` after ``context`` and pool hidden states as generation does.
 
         A given ``LMState`` is reused: its cache is cloned, or with ``inplace`` extended in place (the
         decoder then keeps the returned state, or crops back via ``LMState.checkpoint``). A string is
-        prefilled first.
+        prefilled first. ``logprobs=False`` skips the per-token log-probs (and the output head for all but
+        the last position), which is all a verifier needs.
         """
         if isinstance(context, str):
             base = self.prefill(context)
         else:
             base = context if inplace else context.clone()
-        state, ids, logits, hidden = self.extend(base, step_text)
+        state, ids, logits, hidden = self.extend(base, step_text, all_logits=logprobs)
         # 1. positions predicting the step: last context position + step tokens but the last
         pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
-        pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
-        # 2. per-token log-probs of the step's tokens
-        logprobs = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, logprobs, state)
+        lp = torch.empty(0)
+        if logprobs:
+            # 2. per-token log-probs of the step's tokens
+            pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
+            lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state)
 
     # ----------------------------------------------------------------------------------- sampling
     @torch.inference_mode()

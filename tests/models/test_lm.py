@@ -109,7 +109,10 @@ def test_extend_keeps_cache_in_step_with_ids():
     st = lm.prefill("Question: a\nAnswer:")
     st2, new_ids, logits, hidden = lm.extend(st.clone(), " first.\n\n")
     assert st2.ids == st.ids + new_ids
-    assert logits.shape[0] == hidden.shape[0] == len(new_ids)
+    assert logits.shape[0] == 1 and hidden.shape[0] == len(new_ids)
+    _, _, all_logits, _ = lm.extend(lm.prefill("Question: a\nAnswer:"), " first.\n\n", all_logits=True)
+    assert all_logits.shape[0] == len(new_ids)
+    assert torch.allclose(all_logits[-1], logits[-1], atol=1e-4)
     full = lm.prefill("Question: a\nAnswer: first.\n\n")
     assert full.ids == st2.ids
     assert torch.allclose(full.hidden, st2.hidden, atol=1e-4)
