@@ -82,7 +82,7 @@ def models_check(
         step = lm.generate_step(state, n=1, temperature=0.0, max_tokens=tokens)[0]
         decode_ms = (time.perf_counter() - t0) / step.num_tokens * 1000
         t0 = time.perf_counter()
-        score = lm.score_step(state, CHECK_STEP)
+        score = lm.score_step(state, CHECK_STEP, logprobs=False)  # as a verifier prefills a step
         prefill_ms = (time.perf_counter() - t0) / len(score.token_ids) * 1000
         typer.echo(
             f"[{role}] id={spec.model_id} layers={lm.num_layers} hidden_size={lm.hidden_size} "
