@@ -57,8 +57,9 @@ def _decoders(
     return out
 
 
-def summarize_rows(rows: list[dict[str, Any]], base_latency: float | None) -> dict[str, Any]:
-    """Metrics of one (benchmark, method) from its per-problem rows."""
+def summarize_rows(rows: list[dict[str, Any]], base_ms_per_token: float | None) -> dict[str, Any]:
+    """Metrics of one (benchmark, method) from its per-problem rows. The speed-up is the ratio of time per
+    output token to the target's in the same run (outputs of different lengths stay comparable)."""
     by_seed: dict[int, list[bool]] = {}
     for r in rows:
         by_seed.setdefault(r["seed"], []).append(r["correct"])
@@ -66,14 +67,15 @@ def summarize_rows(rows: list[dict[str, Any]], base_latency: float | None) -> di
     seconds = sum(r["latency_s"] for r in rows)
     acc = [r["acceptance_rate"] for r in rows if r["acceptance_rate"] is not None]
     latency = statistics.mean(r["latency_s"] for r in rows)
+    ms_tok = 1000 * seconds / tokens if tokens else None
     return {
         "pass@1": statistics.mean(statistics.mean(v) for v in by_seed.values()),
         "latency_s": latency,
         "tps": tokens / seconds if seconds else 0.0,
         "target_share": statistics.mean(r["target_share"] for r in rows),
         "step_acceptance": statistics.mean(acc) if acc else None,
-        "speedup_vs_target": (base_latency / latency) if base_latency and latency else None,
-        "ms_per_token": 1000 * seconds / tokens if tokens else None,
+        "speedup_vs_target": (base_ms_per_token / ms_tok) if base_ms_per_token and ms_tok else None,
+        "ms_per_token": ms_tok,
         "n": len(rows),
     }
 
@@ -149,8 +151,9 @@ def run_evaluate(
         tmp.replace(path)
     for bench in problems:
         base = rows.get((bench, "target"))
-        base_lat = statistics.mean(r["latency_s"] for r in base) if base else None
-        metrics[bench] = {label: summarize_rows(rows[(bench, label)], base_lat) for label in labels}
+        base_tokens = sum(r["output_tokens"] for r in base) if base else 0
+        base_ms = 1000 * sum(r["latency_s"] for r in base) / base_tokens if base_tokens else None
+        metrics[bench] = {label: summarize_rows(rows[(bench, label)], base_ms) for label in labels}
     if skipped:
         metrics["_skipped"] = skipped
     write_json_atomic(metrics, out_dir / "metrics.json")

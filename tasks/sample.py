@@ -224,7 +224,7 @@ def _run_ray(cfg, pair, work, folders, total, lms) -> None:
             _write(folders[role], batch, ray.get(ready[0]))
             prog.update(len(batch))
             idle[role].append(actor)
-            if not queue[role] and not any(r == role for r, _, _ in pending.values()) and pools[role]:
+            if role in pools and not queue[role] and not any(r == role for r, _, _ in pending.values()):
                 # this role is done: free its replicas and give their cores to the others
                 for a in pools.pop(role):
                     ray.kill(a)
