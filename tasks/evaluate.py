@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from models.decoding import DecodeSettings
+from models.decoding import DecodeResult, DecodeSettings
 from models.grading import grade
 from models.lm import LM, load_lm
 from models.spec import PairConfig
@@ -80,6 +80,33 @@ def summarize_rows(rows: list[dict[str, Any]], base_ms_per_token: float | None) 
     }
 
 
+def problem_row(
+    prob: Problem, seed: int, label: str, res: DecodeResult, pred: str | None, ok: bool
+) -> dict[str, Any]:
+    """One per-problem record: the answer, its grade, speed figures and the step trace."""
+    return {
+        "question_id": prob.question_id,
+        "seed": seed,
+        "method": label,
+        "answer": pred,
+        "gold": prob.answer,
+        "correct": ok,
+        "output_tokens": res.output_tokens,
+        "latency_s": res.timings.total,
+        "tps": res.tokens_per_second,
+        "target_share": res.target_share,
+        "acceptance_rate": res.acceptance_rate,
+        "prefill_per_output_token": res.prefill_per_output_token,
+        "timings": vars(res.timings),
+        "finish_reason": res.finish_reason,
+        "steps": [
+            {"author": s.author, "p": s.p, "q": s.q, "u": s.u, "target_tokens": s.target_tokens}
+            for s in res.steps
+        ],
+        "extra": res.extra,
+    }
+
+
 def run_evaluate(
     cfg: EvaluateConfig,
     pair: PairConfig,
@@ -103,6 +130,10 @@ def run_evaluate(
     if not problems:
         raise ValueError(f"no benchmark could be loaded: {skipped}")
     total = sum(len(p) for p in problems.values()) * len(cfg.seeds) * len(labels)
+    for bench in problems:  # rows are appended as each decode finishes: a crash keeps what was done
+        (out_dir / bench).mkdir(parents=True, exist_ok=True)
+        for label in labels:
+            (out_dir / bench / f"{label}.jsonl").unlink(missing_ok=True)
     with tqdm(total=total, desc="evaluate", unit="decode") as bar:
         for bench, probs in problems.items():
             for seed in cfg.seeds:
@@ -112,43 +143,12 @@ def run_evaluate(
                     for label in order:
                         res = decs[label].decode(prob.question)
                         pred, ok = grade(bench, prob.answer, res.text)
-                        rows.setdefault((bench, label), []).append(
-                            {
-                                "question_id": prob.question_id,
-                                "seed": seed,
-                                "method": label,
-                                "answer": pred,
-                                "gold": prob.answer,
-                                "correct": ok,
-                                "output_tokens": res.output_tokens,
-                                "latency_s": res.timings.total,
-                                "tps": res.tokens_per_second,
-                                "target_share": res.target_share,
-                                "acceptance_rate": res.acceptance_rate,
-                                "prefill_per_output_token": res.prefill_per_output_token,
-                                "timings": vars(res.timings),
-                                "finish_reason": res.finish_reason,
-                                "steps": [
-                                    {
-                                        "author": s.author,
-                                        "p": s.p,
-                                        "q": s.q,
-                                        "u": s.u,
-                                        "target_tokens": s.target_tokens,
-                                    }
-                                    for s in res.steps
-                                ],
-                                "extra": res.extra,
-                            }
-                        )
+                        row = problem_row(prob, seed, label, res, pred, ok)
+                        rows.setdefault((bench, label), []).append(row)
+                        with open(out_dir / bench / f"{label}.jsonl", "a", encoding="utf-8") as f:
+                            f.write(json.dumps(row, default=str) + "\n")
                         bar.update(1)
     metrics: dict[str, Any] = {}
-    for (bench, label), rs in rows.items():
-        path = out_dir / bench / f"{label}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rs))
-        tmp.replace(path)
     for bench in problems:
         base = rows.get((bench, "target"))
         base_tokens = sum(r["output_tokens"] for r in base) if base else 0
