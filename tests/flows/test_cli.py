@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
 from tests.helpers.pipeline import write_tiny_pair
-from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 runner = CliRunner()
 
@@ -57,22 +55,11 @@ def test_grade_bad_benchmark_exits_nonzero():
 
 
 def test_models_check_on_a_local_tiny_pair(tmp_path):
-    tok = char_tokenizer()
-    for role, seed in (("draft", 0), ("target", 1)):
-        d = tmp_path / role
-        tiny_llama(len(tok), seed=seed, hidden=32 * (seed + 1)).save_pretrained(d)
-        tok.save_pretrained(d)
-    spec = {"source": "local", "prompt": "plain", "max_step_tokens": 8}
-    pair = {
-        "name": "tiny",
-        "draft": {"model_id": "tiny-d", "path": str(tmp_path / "draft"), **spec},
-        "target": {"model_id": "tiny-t", "path": str(tmp_path / "target"), **spec},
-    }
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(pair))
+    write_tiny_pair(tmp_path, draft_hidden=32, target_hidden=64)
     res = runner.invoke(app, ["models", "check", "--pair", str(tmp_path / "tiny.yaml"), "--tokens", "4"])
     assert res.exit_code == 0, res.output
-    assert "[draft] id=tiny-d layers=2 hidden_size=32" in res.output
-    assert "[target] id=tiny-t layers=2 hidden_size=64" in res.output
+    assert "[draft] id=tiny-draft layers=2 hidden_size=32" in res.output
+    assert "[target] id=tiny-target layers=2 hidden_size=64" in res.output
 
 
 def test_models_check_unknown_pair():
