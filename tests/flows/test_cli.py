@@ -12,7 +12,25 @@ runner = CliRunner()
 
 
 @pytest.mark.parametrize(
-    "args", [[], ["models"], ["models", "check"], ["data"], ["data", "check"], ["grade"], ["env"]]
+    "args",
+    [
+        [],
+        ["models"],
+        ["models", "check"],
+        ["data"],
+        ["data", "check"],
+        ["grade"],
+        ["env"],
+        ["ingest"],
+        ["sample"],
+        ["cluster"],
+        ["train"],
+        ["evaluate"],
+        ["decode"],
+        ["bench"],
+        ["judge"],
+        ["judge", "calibrate"],
+    ],
 )
 def test_help(args):
     res = runner.invoke(app, [*args, "--help"])
