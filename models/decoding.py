@@ -252,12 +252,11 @@ class SemanticSpecDecoder:
                         dstate, s.temperature, s.top_p, self._budget(self.draft, res.output_tokens), seed
                     )
                     seed += 1
-                    proposals.append((step, len(dstate.ids)))
+                    proposals.append(step)
                     if step.finish_reason == "eos" or not step.text:
                         break
             # 2. the target verifies them in order; the first rejection ends the round
-            rejected = False
-            for i, (step, _) in enumerate(proposals):
+            for i, step in enumerate(proposals):
                 t_restore = tstate.checkpoint(self._budget(self.target, 0) * 2 + 8)
                 with _Clock(tm, "probe"):
                     q = self.q_probe(step.pooled)
@@ -292,7 +291,7 @@ class SemanticSpecDecoder:
                 # 4. the draft rolls back to before this proposal and reads the target's step instead
                 with _Clock(tm, "draft"):
                     dstate = d_restore()
-                    for prev, _ in proposals[:i]:
+                    for prev in proposals[:i]:
                         dstate = self.draft.prefill(prev.text, dstate)
                     draft_ids = 0
                     if tstep.text:
@@ -305,10 +304,7 @@ class SemanticSpecDecoder:
                 res.output_tokens += tstep.num_tokens
                 if tstep.finish_reason == "eos" or not tstep.text:
                     res.finish_reason = "eos"
-                rejected = True
                 break
-            if not rejected and proposals and proposals[-1][0].finish_reason == "eos":
-                res.finish_reason = "eos"
         return _finish(self.method, res, t0, s)
 
 
