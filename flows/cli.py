@@ -20,6 +20,13 @@ app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 judge_app = typer.Typer(help="The semantic-equivalence judge.", no_args_is_help=True)
 app.add_typer(judge_app, name="judge")
+services_app = typer.Typer(
+    help="Local services: Prefect server (127.0.0.1:4200), deployment server, MLflow UI (127.0.0.1:5000).",
+    no_args_is_help=True,
+)
+app.add_typer(services_app, name="services")
+pairs_app = typer.Typer(help="Model pairs and the state of their probes.", no_args_is_help=True)
+app.add_typer(pairs_app, name="pairs")
 
 PairOpt = Annotated[
     str, typer.Option("--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path.")
@@ -271,6 +278,7 @@ def train(
     pair: PairOverride = None,
 ) -> None:
     """Stage train: fit, evaluate, log to MLflow and register the probes (alias champion)."""
+    from tasks.registry import pipeline_fingerprint
     from tasks.train import run_train
 
     p, cfg = _params(params, profile, set_, pair)
@@ -283,7 +291,11 @@ def train(
         _path(out, cfg.name, "probes"),
         Path(metrics) if metrics else Path("reports") / cfg.name / "train_metrics.json",
         Path(plots) if plots else Path("reports") / cfg.name / "calibration",
+        None,
+        _or_exit(pipeline_fingerprint, p, cfg),
     )
+    from flows.report import metrics_table
+
     typer.echo(metrics_table(res))
 
 
@@ -378,24 +390,9 @@ def evaluate(
     dest = Path(metrics) if metrics else Path("reports") / cfg.name / "eval_metrics.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "metrics.json", dest)
+    from flows.report import eval_table
+
     typer.echo(eval_table(res))
-
-
-def eval_table(res: dict) -> str:
-    """Evaluation metrics as a markdown table (one row per benchmark and method)."""
-    cols = ["pass@1", "latency_s", "tps", "target_share", "step_acceptance", "speedup_vs_target", "n"]
-    lines = ["| benchmark | method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
-    for bench, ms in res.items():
-        if bench.startswith("_"):
-            lines += [f"| {b} | skipped: {why} |" for b, why in ms.items()]
-            continue
-        for m, v in ms.items():
-            cells = [
-                "n/a" if v[c] is None else f"{v[c]:.3f}" if isinstance(v[c], float) else str(v[c])
-                for c in cols
-            ]
-            lines.append(f"| {bench} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 @app.command()
@@ -420,15 +417,75 @@ def bench(
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 
 
-def metrics_table(res: dict) -> str:
-    """Test metrics of every (role, variant) as a markdown table."""
-    cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]
-    lines = ["| role | variant | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
-    for role, variants in res.items():
-        for v, m in variants.items():
-            cells = [f"{m[c]:.4f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
-            lines.append(f"| {role} | {v} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# ------------------------------------------------------------------------------- orchestration
+@services_app.command("up")
+def services_up() -> None:
+    """Start the Prefect server, the deployment server and the MLflow UI (those not running yet) and wait
+    until each is ready. PIDs and logs go to .services/."""
+    from flows.env import service_urls
+    from flows.services import up
+
+    try:
+        up(echo=typer.echo)
+    except (RuntimeError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    urls = service_urls()
+    typer.echo(f"Prefect UI: {urls['prefect']}\nMLflow UI:  {urls['mlflow']}")
+
+
+@services_app.command("down")
+def services_down() -> None:
+    """Stop the services `semspec services up` started (and nothing else)."""
+    from flows.services import down
+
+    if not down(echo=typer.echo):
+        typer.echo("no service was running")
+
+
+@services_app.command("status")
+def services_status() -> None:
+    """One line per service: state, PID, URL and whether it answers; exit 1 when one is not running."""
+    from flows.services import status
+
+    states = status()
+    for st in states:
+        ready = "ready" if st.ready else "not answering" if st.state == "running" else ""
+        typer.echo(f"{st.name:8s} {st.state:8s} pid={st.pid or '-':<8} {st.url or '':24s} {ready}".rstrip())
+    if any(st.state != "running" for st in states):
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve() -> None:
+    """Serve the deployments semspec/full and semspec/retrain (cron from params.yaml's `retrain`) and run
+    their flow runs; needs the Prefect server (`semspec services up` starts both)."""
+    from flows.pipeline import serve_deployments
+
+    serve_deployments()
+
+
+@app.command()
+def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
+    """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs."""
+    from flows.env import service_urls
+    from flows.report import pair_report
+    from flows.stages import tracked_config
+
+    default_pair, default_profile = tracked_config()
+    typer.echo(pair_report(pair or default_pair, profile or default_profile))
+    urls = service_urls()
+    typer.echo(f"\nPrefect UI: {urls['prefect']}\nMLflow UI:  {urls['mlflow']}")
+
+
+@pairs_app.command("status")
+def pairs_status(profile: ProfileOpt = None) -> None:
+    """Each configured pair: up to date, or why semspec/retrain would train it (or cannot)."""
+    from tasks.config import load_params
+    from tasks.registry import pair_statuses
+
+    for name, why in _or_exit(pair_statuses, _or_exit(load_params, None, profile, None)).items():
+        typer.echo(f"{name}: {why or 'up to date'}")
 
 
 def _or_exit(fn, *args):

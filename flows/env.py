@@ -13,13 +13,37 @@ from pathlib import Path
 
 from models.spec import project_root
 
+HOST = "127.0.0.1"  # every service binds to loopback only
+
+
+def prefect_port() -> int:
+    """Port of the local Prefect server (``SEMSPEC_PREFECT_PORT``, default 4200)."""
+    return _port("SEMSPEC_PREFECT_PORT", 4200)
+
+
+def mlflow_port() -> int:
+    """Port of the local MLflow UI (``SEMSPEC_MLFLOW_PORT``, default 5000)."""
+    return _port("SEMSPEC_MLFLOW_PORT", 5000)
+
+
+def _port(var: str, default: int) -> int:
+    raw = os.environ.get(var, str(default))
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"{var}={raw!r} is not a TCP port (1-65535)")
+    return int(raw)
+
+
+def service_urls() -> dict[str, str]:
+    """Browser URLs of the Prefect and MLflow UIs."""
+    return {"prefect": f"http://{HOST}:{prefect_port()}", "mlflow": f"http://{HOST}:{mlflow_port()}"}
+
 
 def project_env(root: Path | None = None) -> dict[str, str]:
     """Environment variables for local services and offline model loading."""
     r = (root or project_root()).resolve()
     return {
         "PREFECT_HOME": str(r / ".prefect"),
-        "PREFECT_API_URL": "http://127.0.0.1:4200/api",
+        "PREFECT_API_URL": f"http://{HOST}:{prefect_port()}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "true",
         "MLFLOW_DISABLE_TELEMETRY": "true",

@@ -60,6 +60,26 @@ def package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def unavailable_reason(source: str, path: str, device: str, gguf_file: str | None = None) -> str | None:
+    """Why a model could not be loaded here, without loading it (None when it can): a package that is
+    not installed, a missing folder, a Hub model absent from the local cache while ``HF_HUB_OFFLINE``
+    is set, or a CUDA device on a machine without one."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"{path} needs a CUDA device and this machine has none"
+    if source == "package":
+        return (
+            None if importlib.util.find_spec(path.partition("/")[0]) else f"package {path!r} is not installed"
+        )
+    if source == "local":
+        return None if Path(path).exists() else f"local model folder {path!r} does not exist"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, gguf_file or "config.json"), str):
+            return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+    return None
+
+
 def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble: bool = False) -> str:
     """Turn a spec's (source, path) into something ``from_pretrained`` accepts (a Hub id or a folder)."""
     if source == "hub":

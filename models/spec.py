@@ -7,6 +7,7 @@ naming the field instead of crashing later inside transformers.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -170,8 +171,10 @@ class PairConfig:
 
 
 def project_root() -> Path:
-    """The repository root (the folder holding ``conf/``)."""
-    return Path(__file__).resolve().parent.parent
+    """The project folder (holding ``conf/``, ``params.yaml``, ``dvc.yaml``): ``SEMSPEC_PROJECT_DIR`` when
+    set (a copy of the project elsewhere, e.g. for an isolated run), else this repository."""
+    override = os.environ.get("SEMSPEC_PROJECT_DIR")
+    return Path(override).resolve() if override else Path(__file__).resolve().parent.parent
 
 
 def pairs_dir() -> Path:

@@ -7,6 +7,7 @@ Precedence, lowest first: dataclass defaults < ``params.yaml`` < ``conf/profiles
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,29 @@ class EvaluateConfig:
 
 
 @dataclass
+class RetrainConfig:
+    """The scheduled ``semspec/retrain`` deployment: when it runs and which stages it reruns."""
+
+    cron: str = "0 3 * * 1"  # weekly, Monday 03:00
+    timezone: str = "UTC"
+    stages: list[str] = field(default_factory=lambda: ["ingest", "sample", "cluster", "train", "evaluate"])
+
+    def __post_init__(self) -> None:
+        fields_ = self.cron.split()
+        if len(fields_) != 5 or not all(re.fullmatch(r"[\w*/,\-]+", f) for f in fields_):
+            raise ValueError(
+                f"retrain: field 'cron' must be a 5-field cron expression (minute hour day month weekday), "
+                f"got {self.cron!r}"
+            )
+        known = ("ingest", "sample", "cluster", "train", "evaluate", "decode")
+        bad = [s for s in self.stages if s not in known]
+        if bad or not self.stages:
+            raise ValueError(
+                f"retrain: field 'stages' must be a non-empty subset of {known}, got {self.stages}"
+            )
+
+
+@dataclass
 class Params:
     """Everything the pipeline reads, for one run."""
 
@@ -211,6 +235,7 @@ class Params:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for logging)."""
@@ -223,8 +248,8 @@ _SECTIONS = {
     "cluster": ClusterConfig,
     "train": TrainConfig,
     "evaluate": EvaluateConfig,
+    "retrain": RetrainConfig,
 }
-_EXTRA_KEYS = {"decode", "services", "retrain"}  # owned by later stages; passed through
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -269,7 +294,7 @@ def load_params(
     merged["profile"] = prof
     for o in overrides or []:
         _set(merged, o)
-    unknown = sorted(set(merged) - set(_SECTIONS) - {"pair", "profile"} - _EXTRA_KEYS)
+    unknown = sorted(set(merged) - set(_SECTIONS) - {"pair", "profile"})
     if unknown:
         raise ValueError(f"{p}: unknown top-level key(s) {unknown}")
     sections = {k: from_mapping(cls, merged.get(k) or {}, k) for k, cls in _SECTIONS.items()}

@@ -13,8 +13,16 @@ from tqdm.auto import tqdm
 from models.lm import LM, load_lm
 from models.spec import PairConfig
 from tasks.config import IngestConfig
-from tasks.data import MAX_STEPS, Problem, build_prefixes, generate_arith, load_s1k, split_steps
-from tasks.io import write_parquet_atomic
+from tasks.data import (
+    MAX_STEPS,
+    Problem,
+    build_prefixes,
+    generate_arith,
+    load_s1k,
+    resolve_data_dir,
+    split_steps,
+)
+from tasks.io import file_md5, write_parquet_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,18 @@ def select_problems(cfg: IngestConfig) -> list[Problem]:
             )
     random.Random(cfg.seed).shuffle(problems)
     return problems[: cfg.max_questions]
+
+
+def source_fingerprint(cfg: IngestConfig) -> str:
+    """A fingerprint of the data ``select_problems`` reads: the local s1K file's MD5, the Hub id, or the
+    generator (whose output is fixed by the config)."""
+    if cfg.source == "arith":
+        return "generated:arith"
+    d = resolve_data_dir(cfg.data_dir)
+    if d is None:
+        return "hub:simplescaling/s1K"
+    path = d / "s1k" / "train.jsonl"
+    return f"md5:{file_md5(path)}" if path.is_file() else f"missing:{path}"
 
 
 def write_trace(lm: LM, question: str, max_tokens: int) -> str:

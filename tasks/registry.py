@@ -47,9 +47,18 @@ def setup_experiment(pair: str) -> str:
 
 
 def register_probe(
-    probe: nn.Module, pair: str, role: str, variant: str, data: Any, hashes: dict[str, str], commit: str
+    probe: nn.Module,
+    pair: str,
+    role: str,
+    variant: str,
+    data: Any,
+    hashes: dict[str, str],
+    commit: str,
+    extra_tags: dict[str, str] | None = None,
 ) -> str:
-    """Log ``probe`` to the active run, register it, tag the version and point ``champion`` at it."""
+    """Log ``probe`` to the active run, register it, tag the version and point ``champion`` at it.
+
+    ``extra_tags`` (e.g. the pipeline fingerprint) are added to the version's tags."""
     import mlflow
     import torch
 
@@ -74,6 +83,7 @@ def register_probe(
         "git_commit": commit,
         "data_hash": hashes["samples"],
         "labels_hash": hashes["labels"],
+        **(extra_tags or {}),
     }
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
@@ -110,3 +120,78 @@ def load_probe(
         )
     probe = mlflow.pytorch.load_model(f"models:/{name}@{alias}", map_location="cpu")
     return probe.eval()
+
+
+# Execution details that do not change what a probe learns; left out of the config fingerprint.
+_NOT_FINGERPRINTED = {"data_dir", "on_error", "executor", "actors_per_role", "batch_prefixes", "register"}
+FINGERPRINT_REASONS = {"config_hash": "config changed", "source_hash": "data changed"}
+
+
+def pipeline_fingerprint(params: Any, pair: Any) -> dict[str, str]:
+    """What a pair's probes were trained from, as version tags: ``config_hash`` over the pair file and
+    the ingest/sample/cluster/train params, ``source_hash`` over the ingested source data."""
+    from dataclasses import asdict
+
+    from tasks.ingest import source_fingerprint
+    from tasks.io import config_hash
+
+    sections = {
+        name: {k: v for k, v in asdict(getattr(params, name)).items() if k not in _NOT_FINGERPRINTED}
+        for name in ("ingest", "sample", "cluster", "train")
+    }
+    return {
+        "config_hash": config_hash({"pair": asdict(pair), **sections}),
+        "source_hash": source_fingerprint(params.ingest),
+    }
+
+
+def champion_status(pair: str, roles: list[str], variants: list[str], expected: dict[str, str]) -> str | None:
+    """None when every ``champion`` probe of the pair exists and carries the ``expected`` tags; else why
+    the pair needs training ("no champion probe ...", "config changed ...", "data changed ...")."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    for role in roles:
+        for variant in variants:
+            name = registered_name(pair, role, variant)
+            try:
+                mv = client.get_model_version_by_alias(name, ALIAS)
+            except MlflowException:
+                return f"no champion probe {name}"
+            tags = mv.tags or {}
+            for key, value in expected.items():
+                if tags.get(key) != value:
+                    why = FINGERPRINT_REASONS.get(key, f"{key} changed")
+                    return f"{why}: {name} v{mv.version} has {key}={tags.get(key)}, now {value}"
+    return None
+
+
+def pair_statuses(params: Any) -> dict[str, str | None]:
+    """For every pair in ``conf/pairs/``: None when its champion probes match the current pair file,
+    params and data (``pipeline_fingerprint``), else why it needs training; an unreadable pair file
+    gives ``"invalid: ..."`` and a pair whose models cannot be loaded here (not cached offline, no GPU)
+    ``"unavailable: ..."``; both are reported, never trained."""
+    from models.lm import unavailable_reason
+    from models.spec import list_pairs, load_pair
+
+    out: dict[str, str | None] = {}
+    for name in list_pairs():
+        try:
+            cfg = load_pair(name)
+        except ValueError as e:
+            log.error("pair %s: %s", name, e)
+            out[name] = f"invalid: {e}"
+            continue
+        missing = [
+            why
+            for s in (cfg.draft, cfg.target, cfg.judge)
+            if (why := unavailable_reason(s.source, s.path, s.device, getattr(s, "gguf_file", None)))
+        ]
+        if missing:
+            out[name] = f"unavailable: {'; '.join(missing)}"
+            continue
+        out[name] = champion_status(
+            name, list(params.sample.roles), list(params.train.variants), pipeline_fingerprint(params, cfg)
+        )
+    return out

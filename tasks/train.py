@@ -249,10 +249,12 @@ def run_train(
     metrics_path: Path,
     plots_dir: Path,
     roles: list[str] | None = None,
+    fingerprint: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train, evaluate on the held-out questions, log to MLflow and register every probe.
 
-    Writes ``out_dir/<role>-<variant>.pt``, the test metrics to ``metrics_path`` and calibration plots
+    ``fingerprint`` (``tasks.registry.pipeline_fingerprint``) tags every run and registered version, so a
+    scheduled retrain can tell which pairs changed. Writes ``out_dir/<role>-<variant>.pt``, the test metrics to ``metrics_path`` and calibration plots
     to ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
     """
     import mlflow
@@ -281,6 +283,7 @@ def run_train(
                 "variant": variant,
                 "model_id": data.model_id,
                 "git_commit": commit,
+                **(fingerprint or {}),
             }
             with mlflow.start_run(run_name=f"probe-{role}-{variant}", tags=tags):
                 mlflow.log_params(
@@ -325,7 +328,9 @@ def run_train(
                     out_dir / f"{role}-{variant}.pt",
                 )
                 if cfg.register:
-                    version = register_probe(probe, pair.name, role, variant, data, hashes, commit)
+                    version = register_probe(
+                        probe, pair.name, role, variant, data, hashes, commit, fingerprint
+                    )
                     metrics["registered_version"] = int(version)
                 all_metrics[role][variant] = metrics
                 log.info("train[%s/%s]: %s", role, variant, {k: round(v, 4) for k, v in metrics.items()})

@@ -1,0 +1,205 @@
+"""The Prefect flow ``semspec`` and its deployments ``semspec/full`` and ``semspec/retrain``.
+
+Each stage task runs the stage as ``dvc.yaml`` defines it (see ``flows.stages``); the last task loads the
+registered ``champion`` probes and decodes one question, proving the registry round trip. Nothing runs
+at import time: ``semspec serve`` (or ``serve_deployments``) serves the deployments.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from filelock import FileLock
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.report import experiment_url, mlflow_runs, pair_report
+from flows.stages import STAGES, run_stage
+from models.spec import project_root
+
+log = logging.getLogger(__name__)
+
+ALL_STAGES = (*STAGES, "decode")  # decode = the registry round-trip smoke test
+NOT_TRAINABLE = ("invalid", "unavailable")  # pair statuses the retrain reports but cannot fix
+SMOKE_QUESTION = "Tom has 3 boxes with 4 apples in each box. He eats 2 apples. How many apples are left?"
+
+
+@task(name="stage", task_run_name="{stage}[{pair}]", cache_policy=NO_CACHE)
+def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force: bool) -> dict[str, Any]:
+    """One pipeline stage (``dvc repro`` or its ``dvc.yaml`` command), output streamed to the run log."""
+    logger = get_run_logger()
+    run = run_stage(stage, pair, profile, overrides, force, on_line=logger.info)
+    logger.info(
+        "%s[%s]: %s in %.1fs (%s)",
+        stage,
+        pair,
+        "up to date" if run.skipped else "done",
+        run.seconds,
+        run.mode,
+    )
+    return asdict(run)
+
+
+@task(
+    name="decode-smoke",
+    task_run_name="decode-smoke[{pair}]",
+    cache_policy=NO_CACHE,
+    retries=1,  # the registry is a database that can be busy
+    retry_delay_seconds=10,
+)
+def decode_smoke(pair: str, variant: str, max_new_tokens: int = 48) -> dict[str, Any]:
+    """Load both models and the ``champion`` probes of ``variant`` from the registry, decode one question."""
+    from models.decoding import DecodeSettings
+    from models.lm import load_lm
+    from models.spec import load_pair
+    from tasks.decode import build_decoder
+
+    logger = get_run_logger()
+    cfg = load_pair(pair)
+    lms = {role: load_lm(cfg.role(role)) for role in ("draft", "target")}
+    dec = build_decoder("semanticspec", cfg, lms, DecodeSettings(max_new_tokens=max_new_tokens), variant)
+    res = dec.decode(SMOKE_QUESTION)
+    if not res.steps:
+        raise RuntimeError(f"decode smoke test for {pair} produced no step")
+    summary = {
+        "question": SMOKE_QUESTION,
+        "probe": variant,
+        "steps": len(res.steps),
+        "output_tokens": res.output_tokens,
+        "target_share": round(res.target_share, 3),
+        "acceptance": res.acceptance_rate,
+        "answer": res.answer,
+        "text": res.text,
+    }
+    logger.info("decode smoke[%s]: %s", pair, {k: v for k, v in summary.items() if k != "text"})
+    return summary
+
+
+@task(name="find-stale-pairs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def find_stale_pairs(profile: str | None, overrides: list[str]) -> dict[str, str]:
+    """Every configured pair that needs training, with the reason (see ``tasks.registry.pair_statuses``)."""
+    from tasks.config import load_params
+    from tasks.registry import pair_statuses
+
+    logger = get_run_logger()
+    statuses = pair_statuses(load_params(None, profile, overrides))
+    for name, why in statuses.items():
+        logger.info("%s: %s", name, why or "up to date")
+    return {name: why for name, why in statuses.items() if why and not why.startswith(NOT_TRAINABLE)}
+
+
+@task(name="report", task_run_name="report[{pair}]", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: dict[str, Any] | None) -> str:
+    """Markdown artifact: stage runs, probe and evaluation metrics, the smoke decode and MLflow links."""
+    lines = ["| stage | mode | result | seconds |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['stage']} | {r['mode']} | {'up to date' if r['skipped'] else 'ran'} | {r['seconds']:.1f} |"
+        for r in runs
+    ]
+    md = [pair_report(pair, profile), "## Stages", "\n".join(lines)]
+    if smoke:
+        md += [
+            "## Decode smoke test (registered champion probes)",
+            f"{smoke['question']}\n\nprobe `{smoke['probe']}`: {smoke['steps']} steps, "
+            f"{smoke['output_tokens']} tokens, target share {smoke['target_share']}, answer `{smoke['answer']}`",
+        ]
+    links = mlflow_runs(pair)
+    if links:
+        md += ["## MLflow runs", "\n".join(f"- [{x['name']}]({x['url']})" for x in links)]
+    text = "\n\n".join(md)
+    key = f"semspec-{pair}".lower().replace("_", "-").replace(".", "-")
+    create_markdown_artifact(text, key=key, description=f"semspec metrics for {pair} ({profile})")
+    url = experiment_url(pair)
+    if url:
+        create_link_artifact(url, link_text=f"MLflow experiment semspec-{pair}", key=f"{key}-mlflow")
+    return text
+
+
+def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], force: bool) -> dict[str, Any]:
+    """ingest -> sample -> cluster -> train -> evaluate -> decode smoke for one pair (the stages asked for),
+    holding the pair's lock so two runs never write the same outputs."""
+    from tasks.config import load_params
+
+    lock = project_root() / ".cache" / "locks" / f"{pair}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    smoke = None
+    with FileLock(lock):
+        for stage in STAGES:
+            if stage in stages:
+                runs.append(stage_task(stage, pair, profile, overrides, force))
+        if "decode" in stages:
+            variants = load_params(None, profile, overrides).train.variants
+            variant = (
+                "all" if "all" in variants else next((v for v in variants if v != "random"), variants[0])
+            )
+            smoke = decode_smoke(pair, variant)
+    publish_report(pair, profile, runs, smoke)
+    return {"stages": runs, "decode": smoke}
+
+
+@flow(name="semspec", description="SemanticSpec pipeline: ingest, sample, cluster, train, evaluate, decode.")
+def semspec(
+    pair: str | None = None,
+    profile: str | None = None,
+    stages: list[str] | None = None,
+    overrides: list[str] | None = None,
+    retrain: bool = False,
+) -> dict[str, Any]:
+    """Run the pipeline for ``pair`` (default: params.yaml's), or with ``retrain`` for every pair in
+    ``conf/pairs/`` whose champion probes are missing or were trained on another config or data.
+
+    ``stages`` picks a subset of ingest, sample, cluster, train, evaluate, decode (default: all; with
+    ``retrain``: params.yaml's ``retrain.stages``); ``overrides`` are ``section.key=value`` settings.
+    """
+    from tasks.config import load_params
+
+    overrides = list(overrides or [])
+    params = load_params(None, profile, overrides)  # bad settings fail here, before any work
+    stages = list(stages or (params.retrain.stages if retrain else ALL_STAGES))
+    unknown = [s for s in stages if s not in ALL_STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; expected some of {list(ALL_STAGES)}")
+    if retrain:
+        todo = find_stale_pairs(profile, overrides)
+        if not todo:
+            get_run_logger().info("retrain: every pair's champion probes are up to date")
+    else:
+        todo = {pair or params.pair: "requested"}
+    return {name: run_pair(name, params.profile, stages, overrides, force=retrain) for name in todo}
+
+
+def deployments() -> list:
+    """``semspec/full`` (the whole flow, params.yaml's pair and profile) and ``semspec/retrain`` (on the
+    ``retrain.cron`` schedule, only the pairs that need it)."""
+    from prefect.flows import EntrypointType
+    from prefect.schedules import Cron
+
+    from tasks.config import load_params
+
+    cfg = load_params().retrain
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["semspec"]}
+    full = semspec.to_deployment(
+        name="full", description="The whole pipeline on params.yaml's pair and profile.", **common
+    )
+    retrain = semspec.to_deployment(
+        name="retrain",
+        description="Train, register and evaluate probes for every pair without up-to-date champions.",
+        schedule=Cron(cfg.cron, timezone=cfg.timezone),
+        parameters={"retrain": True},
+        **common,
+    )
+    return [full, retrain]
+
+
+def serve_deployments() -> None:
+    """Register both deployments with the Prefect server and run their flow runs until interrupted."""
+    import signal
+
+    from prefect import serve
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a backgrounded process may inherit SIG_IGN
+    serve(*deployments(), print_starting_message=True)

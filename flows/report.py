@@ -1,0 +1,103 @@
+"""Human-readable results of a pair: metric tables, MLflow run links, the service URLs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flows.env import service_urls
+from flows.stages import stage_files
+
+log = logging.getLogger(__name__)
+
+
+def metrics_table(res: dict) -> str:
+    """Test metrics of every (role, variant) as a markdown table."""
+    cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]
+    lines = ["| role | variant | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for role, variants in res.items():
+        for v, m in variants.items():
+            cells = [f"{m[c]:.4f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
+            lines.append(f"| {role} | {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def eval_table(res: dict) -> str:
+    """Evaluation metrics as a markdown table (one row per benchmark and method)."""
+    cols = ["pass@1", "latency_s", "tps", "target_share", "step_acceptance", "speedup_vs_target", "n"]
+    lines = ["| benchmark | method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for bench, ms in res.items():
+        if bench.startswith("_"):
+            lines += [f"| {b} | skipped: {why} |" for b, why in ms.items()]
+            continue
+        for m, v in ms.items():
+            cells = [
+                "n/a" if v[c] is None else f"{v[c]:.3f}" if isinstance(v[c], float) else str(v[c])
+                for c in cols
+            ]
+            lines.append(f"| {bench} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def stage_metrics(stage: str, pair: str, profile: str, root: Path | None = None) -> dict[str, Any] | None:
+    """The metrics JSON that ``dvc.yaml`` declares for ``stage`` (None when it has not run yet)."""
+    for path in stage_files(stage, "metrics", pair, profile, root):
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
+def mlflow_runs(pair: str) -> list[dict[str, str]]:
+    """The latest finished MLflow run of each probe and evaluation method of ``pair`` with its UI link,
+    probes first: ``[{"name", "stage", "url"}]``."""
+    import mlflow
+
+    from tasks.registry import experiment_name
+
+    exp = mlflow.get_experiment_by_name(experiment_name(pair))
+    if exp is None:
+        return []
+    runs = mlflow.search_runs(
+        experiment_ids=[exp.experiment_id],
+        filter_string="attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        output_format="list",
+    )
+    base = service_urls()["mlflow"]
+    latest: dict[str, dict[str, str]] = {}
+    for r in runs:
+        name = r.info.run_name or r.info.run_id
+        latest.setdefault(
+            name,
+            {
+                "name": name,
+                "stage": r.data.tags.get("stage", ""),
+                "url": f"{base}/#/experiments/{exp.experiment_id}/runs/{r.info.run_id}",
+            },
+        )
+    return sorted(latest.values(), key=lambda x: (x["stage"] != "train", x["name"]))
+
+
+def experiment_url(pair: str) -> str | None:
+    """MLflow UI link to the pair's experiment (None before anything was logged)."""
+    import mlflow
+
+    from tasks.registry import experiment_name
+
+    exp = mlflow.get_experiment_by_name(experiment_name(pair))
+    return f"{service_urls()['mlflow']}/#/experiments/{exp.experiment_id}" if exp else None
+
+
+def pair_report(pair: str, profile: str, root: Path | None = None) -> str:
+    """Markdown: the probes' test metrics and the evaluation metrics of ``pair``, as the stages left them."""
+    parts = [f"# semspec: {pair} ({profile} profile)"]
+    train = stage_metrics("train", pair, profile, root)
+    parts += [
+        "## Probe test metrics (held-out questions)",
+        metrics_table(train) if train else "_not trained yet_",
+    ]
+    ev = stage_metrics("evaluate", pair, profile, root)
+    parts += ["## Evaluation", eval_table(ev) if ev else "_not evaluated yet_"]
+    return "\n\n".join(parts)

@@ -1,0 +1,163 @@
+"""Run a pipeline stage the way ``dvc.yaml`` defines it.
+
+``dvc.yaml`` is the one definition of every stage (its command, inputs and outputs); the Prefect flow
+runs those definitions and never restates a path:
+
+- for the configuration ``params.yaml`` names (its ``pair`` and ``profile``, no overrides) a stage runs
+  as ``dvc repro --single-item <stage>``: DVC skips it when nothing changed and records what it made in
+  ``dvc.lock``, so ``dvc repro`` afterwards has nothing to do;
+- for any other pair, profile or override (a scheduled retrain of a new pair, a tiny test run) the same
+  ``cmd`` runs with ``${pair}``/``${profile}`` filled in and ``--pair/--profile/--set`` appended.
+  ``dvc.lock`` describes ``params.yaml``'s configuration only, so these runs are not recorded there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from models.spec import project_root
+
+log = logging.getLogger(__name__)
+
+STAGES = ("ingest", "sample", "cluster", "train", "evaluate")
+_VAR = re.compile(r"\$\{(\w+)\}")
+
+
+class StageFailed(RuntimeError):
+    """A stage command exited with an error; the message ends with its last output lines."""
+
+
+@dataclass
+class StageRun:
+    """How one stage run went."""
+
+    stage: str
+    pair: str
+    mode: str  # "dvc" (dvc repro, recorded in dvc.lock) | "direct" (the stage command)
+    skipped: bool  # DVC found nothing changed
+    seconds: float
+    command: str
+
+
+def tracked_config(root: Path | None = None) -> tuple[str, str]:
+    """The (pair, profile) that ``params.yaml`` names, i.e. what ``dvc.lock`` records."""
+    path = (root or project_root()) / "params.yaml"
+    raw = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+    return str(raw.get("pair", "embedded")), str(raw.get("profile", "demo"))
+
+
+def _stage_def(stage: str, root: Path | None) -> tuple[Path, dict]:
+    path = (root or project_root()) / "dvc.yaml"
+    stages = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages", {})
+    if stage not in stages:
+        raise ValueError(f"{path} has no stage {stage!r}; stages: {', '.join(stages)}")
+    return path, stages[stage]
+
+
+def _fill(text: str, pair: str, profile: str, where: str) -> str:
+    values = {"pair": pair, "profile": profile}
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in values:
+            raise ValueError(f"{where} uses ${{{m.group(1)}}}; only pair and profile are known")
+        return values[m.group(1)]
+
+    return _VAR.sub(sub, text)
+
+
+def stage_command(stage: str, pair: str, profile: str, root: Path | None = None) -> list[str]:
+    """``dvc.yaml``'s command for ``stage`` with ``${pair}`` and ``${profile}`` filled in, as argv."""
+    path, st = _stage_def(stage, root)
+    return shlex.split(_fill(" ".join(str(st["cmd"]).split()), pair, profile, f"{path}: stage {stage}"))
+
+
+def stage_files(stage: str, kind: str, pair: str, profile: str, root: Path | None = None) -> list[Path]:
+    """The ``outs``, ``metrics`` or ``plots`` that ``dvc.yaml`` declares for ``stage`` (absolute paths)."""
+    root = root or project_root()
+    path, st = _stage_def(stage, root)
+    entries = st.get(kind) or []
+    names = [next(iter(e)) if isinstance(e, dict) else str(e) for e in entries]
+    return [root / _fill(n, pair, profile, f"{path}: stage {stage}") for n in names]
+
+
+def plan_stage(
+    stage: str,
+    pair: str,
+    profile: str,
+    overrides: list[str] | None = None,
+    force: bool = False,
+    root: Path | None = None,
+) -> tuple[str, list[str]]:
+    """(mode, argv) for one stage run: ``dvc repro`` for the tracked configuration, else the command."""
+    root = root or project_root()
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    if (pair, profile) == tracked_config(root) and not overrides and (root / ".dvc").is_dir():
+        return "dvc", ["dvc", "repro", "--single-item", *(["--force"] if force else []), stage]
+    argv = [*stage_command(stage, pair, profile, root), "--pair", pair, "--profile", profile]
+    for o in overrides or []:
+        argv += ["--set", o]
+    return "direct", argv
+
+
+def stage_env() -> dict[str, str]:
+    """This process's environment with its Python's ``bin`` first on PATH (``semspec``, ``dvc``) and
+    progress bars throttled for log capture."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("TQDM_MININTERVAL", "15")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_stage(
+    stage: str,
+    pair: str,
+    profile: str,
+    overrides: list[str] | None = None,
+    force: bool = False,
+    root: Path | None = None,
+    on_line: Callable[[str], None] = log.info,
+) -> StageRun:
+    """Run one stage (see the module doc), streaming its output lines to ``on_line``.
+
+    Raises ``StageFailed`` (with the last output lines) when the command fails."""
+    root = root or project_root()
+    mode, argv = plan_stage(stage, pair, profile, overrides, force, root)
+    command = shlex.join(argv)
+    on_line(f"$ {command}")
+    tail: deque[str] = deque(maxlen=40)
+    skipped = False
+    t0 = time.perf_counter()
+    with subprocess.Popen(
+        argv,
+        cwd=root,
+        env=stage_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    ) as proc:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            for line in raw.rstrip("\n").split("\r"):  # a progress bar redraws with \r
+                if line.strip():
+                    tail.append(line)
+                    on_line(line)
+                    skipped |= f"Stage '{stage}' didn't change, skipping" in line
+        rc = proc.wait()
+    if rc != 0:
+        raise StageFailed(f"stage {stage} ({pair}) failed with exit code {rc}: {command}\n" + "\n".join(tail))
+    return StageRun(stage, pair, mode, skipped and mode == "dvc", time.perf_counter() - t0, command)

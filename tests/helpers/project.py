@@ -1,0 +1,65 @@
+"""An isolated copy of the project (its DVC pipeline, params, configs and the code dvc.yaml depends on)
+with its own ports, so the whole flow can run against real services without touching the checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("dvc.yaml", "params.yaml", "conf", "models", "tasks")  # the stages' files and deps
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_project(dest: Path, profile: str = "tiny") -> Path:
+    """Copy the pipeline into ``dest`` with ``profile`` as params.yaml's profile; a DVC repo without git."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / name)
+    params = yaml.safe_load((dest / "params.yaml").read_text())
+    params["profile"] = profile
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run([BIN / "dvc", "init", "--no-scm", "-q"], cwd=dest, check=True)
+    subprocess.run([BIN / "dvc", "config", "core.analytics", "false"], cwd=dest, check=True)
+    return dest
+
+
+def project_environ(dest: Path, prefect_port: int, mlflow_port: int) -> dict[str, str]:
+    """This process's environment pointed at the copy: its folder, its ports and its local services."""
+    from flows.env import project_env
+
+    env = dict(os.environ)
+    env.update(
+        SEMSPEC_PROJECT_DIR=str(dest),
+        SEMSPEC_PREFECT_PORT=str(prefect_port),
+        SEMSPEC_MLFLOW_PORT=str(mlflow_port),
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
+    saved = {k: os.environ.get(k) for k in ("SEMSPEC_PREFECT_PORT", "SEMSPEC_MLFLOW_PORT")}
+    os.environ.update(SEMSPEC_PREFECT_PORT=str(prefect_port), SEMSPEC_MLFLOW_PORT=str(mlflow_port))
+    try:
+        env.update(project_env(dest))  # the copy's values win over anything inherited
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return env
