@@ -179,6 +179,7 @@ def grade(
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
+# Path options default to the paths dvc.yaml passes to the same command (for the chosen pair).
 ParamsOpt = Annotated[
     str | None, typer.Option("--params", help="params.yaml to read (default: the project's).")
 ]
@@ -197,8 +198,11 @@ def _params(params: str | None, profile: str | None, overrides: list[str] | None
     return p, _or_exit(load_pair, p.pair)
 
 
-def _path(given: str | None, pair: str, default: str) -> Path:
-    return Path(given) if given else Path("data") / pair / default
+def _path(given: str | None, stage: str, option: str, p) -> Path:
+    """``given``, else the path dvc.yaml passes to this stage's ``--<option>`` (paths live there only)."""
+    from flows.stages import stage_option
+
+    return Path(given) if given else _or_exit(stage_option, stage, option, p.pair, p.profile)
 
 
 @app.command()
@@ -213,7 +217,7 @@ def ingest(
     from tasks.ingest import run_ingest
 
     p, cfg = _params(params, profile, set_, pair)
-    path = _or_exit(run_ingest, p.ingest, cfg, _path(out, cfg.name, "prefixes.parquet"))
+    path = _or_exit(run_ingest, p.ingest, cfg, _path(out, "ingest", "out", p))
     typer.echo(f"wrote {path}")
 
 
@@ -234,8 +238,8 @@ def sample(
         run_sample,
         p.sample,
         cfg,
-        _path(prefixes, cfg.name, "prefixes.parquet"),
-        _path(out, cfg.name, "samples"),
+        _path(prefixes, "sample", "prefixes", p),
+        _path(out, "sample", "out", p),
     )
     typer.echo("wrote " + ", ".join(str(f) for f in folders.values()))
 
@@ -258,9 +262,9 @@ def cluster(
         run_cluster,
         p.cluster,
         cfg,
-        _path(samples, cfg.name, "samples"),
-        _path(out, cfg.name, "labels"),
-        _path(prefixes, cfg.name, "prefixes.parquet"),
+        _path(samples, "cluster", "samples", p),
+        _path(out, "cluster", "out", p),
+        _path(prefixes, "cluster", "prefixes", p),
     )
     typer.echo("wrote " + ", ".join(str(f) for f in paths.values()))
 
@@ -286,11 +290,11 @@ def train(
         run_train,
         p.train,
         cfg,
-        _path(samples, cfg.name, "samples"),
-        _path(labels, cfg.name, "labels"),
-        _path(out, cfg.name, "probes"),
-        Path(metrics) if metrics else Path("reports") / cfg.name / "train_metrics.json",
-        Path(plots) if plots else Path("reports") / cfg.name / "calibration",
+        _path(samples, "train", "samples", p),
+        _path(labels, "train", "labels", p),
+        _path(out, "train", "out", p),
+        _path(metrics, "train", "metrics", p),
+        _path(plots, "train", "plots", p),
         None,
         _or_exit(pipeline_fingerprint, p, cfg),
     )
@@ -363,9 +367,7 @@ def evaluate(
         str | None, typer.Option(help="Folder for <benchmark>/<method>.jsonl and metrics.json.")
     ] = None,
     plots: Annotated[str | None, typer.Option(help="Folder for the evaluation plots.")] = None,
-    metrics: Annotated[
-        str | None, typer.Option(help="Summary JSON for DVC (default reports/<pair>/eval_metrics.json).")
-    ] = None,
+    metrics: Annotated[str | None, typer.Option(help="Summary JSON for DVC.")] = None,
     params: ParamsOpt = None,
     profile: ProfileOpt = None,
     set_: SetOpt = None,
@@ -377,17 +379,11 @@ def evaluate(
     from tasks.evaluate import run_evaluate
 
     p, cfg = _params(params, profile, set_, pair)
-    out_dir = Path(out) if out else Path("eval") / cfg.name
+    out_dir = _path(out, "evaluate", "out", p)
     res = _or_exit(
-        run_evaluate,
-        p.evaluate,
-        cfg,
-        out_dir,
-        Path(plots) if plots else Path("reports") / cfg.name / "eval",
-        None,
-        p.ingest.data_dir,
+        run_evaluate, p.evaluate, cfg, out_dir, _path(plots, "evaluate", "plots", p), None, p.ingest.data_dir
     )
-    dest = Path(metrics) if metrics else Path("reports") / cfg.name / "eval_metrics.json"
+    dest = _path(metrics, "evaluate", "metrics", p)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "metrics.json", dest)
     from flows.report import eval_table

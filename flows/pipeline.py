@@ -169,7 +169,19 @@ def semspec(
             get_run_logger().info("retrain: every pair's champion probes are up to date")
     else:
         todo = {pair or params.pair: "requested"}
-    return {name: run_pair(name, params.profile, stages, overrides, force=retrain) for name in todo}
+    results: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for name in todo:
+        try:
+            results[name] = run_pair(name, params.profile, stages, overrides, force=retrain)
+        except Exception as e:
+            if not retrain:
+                raise
+            get_run_logger().error("retrain of %s failed: %s", name, e)
+            failed[name] = str(e).splitlines()[0]  # one broken pair does not stop the others
+    if failed:
+        raise RuntimeError(f"retrain failed for {len(failed)} pair(s): {failed}; the others finished")
+    return results
 
 
 def deployments() -> list:

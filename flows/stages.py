@@ -83,6 +83,17 @@ def stage_command(stage: str, pair: str, profile: str, root: Path | None = None)
     return shlex.split(_fill(" ".join(str(st["cmd"]).split()), pair, profile, f"{path}: stage {stage}"))
 
 
+def stage_option(stage: str, option: str, pair: str, profile: str, root: Path | None = None) -> Path:
+    """The path ``dvc.yaml``'s command passes to ``semspec <stage> --<option>``, under the project root
+    (so the CLI's defaults are the pipeline's paths, written once)."""
+    root = root or project_root()
+    argv = stage_command(stage, pair, profile, root)
+    flag = f"--{option}"
+    if flag not in argv[:-1]:
+        raise ValueError(f"dvc.yaml's {stage} command has no {flag}; pass {flag} explicitly")
+    return root / argv[argv.index(flag) + 1]
+
+
 def stage_files(stage: str, kind: str, pair: str, profile: str, root: Path | None = None) -> list[Path]:
     """The ``outs``, ``metrics`` or ``plots`` that ``dvc.yaml`` declares for ``stage`` (absolute paths)."""
     root = root or project_root()

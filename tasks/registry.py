@@ -122,8 +122,26 @@ def load_probe(
     return probe.eval()
 
 
-# Execution details that do not change what a probe learns; left out of the config fingerprint.
-_NOT_FINGERPRINTED = {"data_dir", "on_error", "executor", "actors_per_role", "batch_prefixes", "register"}
+# What does not change what a probe learns (execution details, where a file lives, free text); left out
+# of the config fingerprint.
+_NOT_FINGERPRINTED = {
+    "data_dir",
+    "on_error",
+    "executor",
+    "actors_per_role",
+    "batch_prefixes",
+    "register",
+    "where",
+    "description",
+}
+
+
+def _fingerprinted(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _fingerprinted(v) for k, v in obj.items() if k not in _NOT_FINGERPRINTED}
+    return obj
+
+
 FINGERPRINT_REASONS = {"config_hash": "config changed", "source_hash": "data changed"}
 
 
@@ -135,12 +153,9 @@ def pipeline_fingerprint(params: Any, pair: Any) -> dict[str, str]:
     from tasks.ingest import source_fingerprint
     from tasks.io import config_hash
 
-    sections = {
-        name: {k: v for k, v in asdict(getattr(params, name)).items() if k not in _NOT_FINGERPRINTED}
-        for name in ("ingest", "sample", "cluster", "train")
-    }
+    sections = {name: asdict(getattr(params, name)) for name in ("ingest", "sample", "cluster", "train")}
     return {
-        "config_hash": config_hash({"pair": asdict(pair), **sections}),
+        "config_hash": config_hash(_fingerprinted({"pair": asdict(pair), **sections})),
         "source_hash": source_fingerprint(params.ingest),
     }
 

@@ -11,27 +11,42 @@ from tests.helpers.pipeline import write_tiny_pair
 runner = CliRunner()
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        [],
-        ["models"],
-        ["models", "check"],
-        ["data"],
-        ["data", "check"],
-        ["grade"],
-        ["env"],
-        ["ingest"],
-        ["sample"],
-        ["cluster"],
-        ["train"],
-        ["evaluate"],
-        ["decode"],
-        ["bench"],
-        ["judge"],
-        ["judge", "calibrate"],
-    ],
-)
+def _command_paths(typer_app, prefix=()):
+    """Every command and group of a Typer app, as argument lists."""
+    yield list(prefix)
+    for cmd in typer_app.registered_commands:
+        yield [*prefix, cmd.name or cmd.callback.__name__.replace("_", "-")]
+    for group in typer_app.registered_groups:
+        yield from _command_paths(group.typer_instance, (*prefix, group.name))
+
+
+COMMANDS = list(_command_paths(app))
+
+
+def test_every_named_command_exists():
+    names = {" ".join(c) for c in COMMANDS}
+    for required in (
+        "ingest",
+        "sample",
+        "cluster",
+        "train",
+        "evaluate",
+        "decode",
+        "bench",
+        "grade",
+        "data check",
+        "models check",
+        "services up",
+        "services down",
+        "services status",
+        "serve",
+        "report",
+        "pairs status",
+    ):
+        assert required in names
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a) or "semspec")
 def test_help(args):
     res = runner.invoke(app, [*args, "--help"])
     assert res.exit_code == 0, res.output

@@ -10,8 +10,9 @@ from tasks.config import load_params
 def test_default_params_are_the_demo_profile():
     p = load_params()
     assert p.pair == "embedded" and p.profile == "demo"
-    assert p.sample.n == 20 and p.sample.max_step_tokens == 48
-    assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 24
+    assert p.sample.n == 12 and p.sample.max_step_tokens == 40
+    assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 20
+    assert p.retrain.cron == "0 3 * * 1" and p.retrain.stages[0] == "ingest"
     assert p.train.variants == ["last", "all", "mix", "random"]
     assert p.train.hidden("target") == [2048, 512] and p.train.hidden("draft") == [512, 256]
 
@@ -36,6 +37,8 @@ def test_profiles_and_overrides():
         ("ingest.source=web", "source"),
         ("sample.temprature=1", "unknown field"),
         ("nonsense", "section.key=value"),
+        ("retrain.cron=weekly", "cron"),
+        ("retrain.stages=[deploy]", "stages"),
     ],
 )
 def test_bad_values_name_the_field(override, msg):

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from models.judges import EmbeddingJudge
 from models.lm import load_lm
@@ -34,20 +35,20 @@ def _judge():
     return EmbeddingJudge(lambda ts: torch.tensor([[1.0, float(len(t) // 3)] for t in ts]), threshold=0.999)
 
 
+OVERRIDES = [
+    "sample.executor=local",
+    "cluster.executor=local",
+    "sample.max_step_tokens=10",
+    "ingest.max_questions=8",
+]
+
+
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     """Run ingest, sample (local executor, delimiter-boosted tiny models) and cluster once."""
     tmp = tmp_path_factory.mktemp("pipe")
     pair = write_tiny_pair(tmp)
-    p = load_params(
-        profile="tiny",
-        overrides=[
-            "sample.executor=local",
-            "cluster.executor=local",
-            "sample.max_step_tokens=10",
-            "ingest.max_questions=8",
-        ],
-    )
+    p = load_params(profile="tiny", overrides=OVERRIDES)
     lms = {}
     for role in ("draft", "target"):
         lms[role] = load_lm(pair.role(role))
@@ -130,7 +131,8 @@ def test_split_by_question_never_shares_a_question():
 
 @pytest.fixture(scope="module")
 def trained(stages, tmp_path_factory):
-    """Train all 8 probes into a private MLflow store."""
+    """Train all 8 probes into a private MLflow store, tagged with the pipeline fingerprint."""
+    from tasks.registry import pipeline_fingerprint
     from tasks.train import run_train
 
     tmp = stages["tmp"]
@@ -149,6 +151,8 @@ def trained(stages, tmp_path_factory):
             tmp / "probes",
             tmp / "metrics.json",
             tmp / "plots",
+            None,
+            pipeline_fingerprint(stages["params"], stages["pair"]),
         )
         yield res
     finally:
@@ -367,3 +371,47 @@ def test_ingest_has_the_target_write_missing_traces(tmp_path):
     rows = pq.read_table(out).to_pylist()
     assert {r["question_id"] for r in rows} == {"s1k-1", "s1k-2"}
     assert all(r["domain"] == "unknown" for r in rows)
+
+
+ALL_ROLES, ALL_VARIANTS = ["draft", "target"], ["last", "all", "mix", "random"]
+
+
+def test_champion_status_tracks_config_and_data(stages, trained):
+    from tasks.registry import champion_status, pipeline_fingerprint
+
+    pair, params = stages["pair"], stages["params"]
+    fp = pipeline_fingerprint(params, pair)
+    assert champion_status("tiny", ALL_ROLES, ALL_VARIANTS, fp) is None
+    same = load_params(
+        profile="tiny", overrides=[*OVERRIDES, "sample.batch_prefixes=7", "ingest.data_dir=/x"]
+    )
+    assert pipeline_fingerprint(same, pair) == fp  # execution details do not count
+    more = load_params(profile="tiny", overrides=[*OVERRIDES, "sample.n=6"])
+    why = champion_status("tiny", ALL_ROLES, ALL_VARIANTS, pipeline_fingerprint(more, pair))
+    assert why.startswith("config changed: semspec-tiny-draft-last")
+    why = champion_status("tiny", ALL_ROLES, ALL_VARIANTS, {**fp, "source_hash": "md5:0"})
+    assert why.startswith("data changed")
+    assert (
+        champion_status("other", ALL_ROLES, ALL_VARIANTS, fp) == "no champion probe semspec-other-draft-last"
+    )
+
+
+def test_pair_statuses_covers_every_pair_file(stages, trained, tmp_path, monkeypatch):
+    from tasks.registry import pair_statuses
+
+    pairs = tmp_path / "conf" / "pairs"
+    pairs.mkdir(parents=True)
+    tiny = yaml.safe_load((stages["tmp"] / "tiny.yaml").read_text())
+    (pairs / "tiny.yaml").write_text(yaml.safe_dump(tiny))  # the trained pair, moved: still up to date
+    (pairs / "fresh.yaml").write_text(yaml.safe_dump({**tiny, "name": "fresh"}))
+    gone = {**tiny, "name": "gone", "target": {**tiny["target"], "path": str(tmp_path / "missing")}}
+    (pairs / "gone.yaml").write_text(yaml.safe_dump(gone))
+    (pairs / "broken.yaml").write_text("name: broken\n")
+    monkeypatch.setenv("SEMSPEC_PROJECT_DIR", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the tiny pair's judge is a Hub id
+    st = pair_statuses(stages["params"])
+    assert sorted(st) == ["broken", "fresh", "gone", "tiny"]
+    assert st["tiny"] is None
+    assert st["fresh"] == "no champion probe semspec-fresh-draft-last"
+    assert st["gone"].startswith("unavailable: local model folder") and "missing" in st["gone"]
+    assert st["broken"].startswith("invalid:") and "missing field" in st["broken"]

@@ -1,0 +1,145 @@
+"""The whole flow on the embedded pair (tiny profile) through real services, in a copy of the project:
+`semspec services up` -> `prefect deployment run semspec/full --watch` (twice) -> the MLflow UI's REST
+API -> a new pair picked up by `semspec/retrain` -> `semspec services down`, which must leave nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from tests.helpers.project import copy_project, free_port, project_environ
+
+pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]
+
+
+class Project:
+    """A project copy with its own services; commands run in it."""
+
+    def __init__(self, root: Path, data_dir: Path):
+        self.root = root
+        self.env = project_environ(root, free_port(), free_port())
+        self.env["SEMSPEC_DATA_DIR"] = str(data_dir)
+        self.api = self.env["PREFECT_API_URL"]
+        self.mlflow = f"http://127.0.0.1:{self.env['SEMSPEC_MLFLOW_PORT']}"
+
+    def run(self, *argv: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+        res = subprocess.run(
+            argv, cwd=self.root, env=self.env, text=True, capture_output=True, timeout=timeout
+        )
+        assert res.returncode == 0, (
+            f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+        )
+        return res
+
+    def artifact(self, key: str) -> str:
+        r = httpx.post(
+            f"{self.api}/artifacts/filter",
+            json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC"},
+        )
+        r.raise_for_status()
+        return r.json()[0]["data"]
+
+    def mlflow_post(self, path: str, body: dict) -> dict:
+        r = httpx.post(f"{self.mlflow}/api/2.0/mlflow/{path}", json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def pids(self) -> list[int]:
+        return [json.loads(p.read_text())["pid"] for p in (self.root / ".services").glob("*.json")]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, data_dir):
+    proj = Project(copy_project(tmp_path_factory.mktemp("project"), profile="tiny"), data_dir)
+    try:
+        up = proj.run("semspec", "services", "up", timeout=400)
+        assert "prefect: ready" in up.stdout and "mlflow: ready" in up.stdout and "serve: ready" in up.stdout
+        yield proj
+    finally:
+        pids = proj.pids()
+        subprocess.run(["semspec", "services", "down"], cwd=proj.root, env=proj.env, timeout=120)
+        assert not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
+        )
+
+
+def test_services_up_is_idempotent_and_both_deployments_exist(project):
+    before = sorted(project.pids())
+    again = project.run("semspec", "services", "up")
+    assert again.stdout.count("already running") == 3 and sorted(project.pids()) == before
+    status = project.run("semspec", "services", "status")
+    assert status.stdout.count(" running ") == 3 and status.stdout.count("ready") == 3
+    listed = project.run("prefect", "deployment", "ls").stdout
+    assert "semspec/full" in listed and "semspec/retrain" in listed
+    retrain = httpx.get(f"{project.api}/deployments/name/semspec/retrain").json()
+    assert retrain["schedules"][0]["schedule"]["cron"] == "0 3 * * 1" and retrain["parameters"] == {
+        "retrain": True
+    }
+
+
+def test_full_deployment_runs_the_pipeline_and_records_it_in_dvc(project):
+    out = project.run("prefect", "deployment", "run", "semspec/full", "--watch")
+    assert "Flow run finished successfully" in out.stdout
+    report = project.artifact("semspec-embedded")
+    for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
+        assert f"| {stage} | dvc | ran |" in report
+    assert "## Decode smoke test (registered champion probes)" in report and "probe-target-all" in report
+    assert "Data and pipelines are up to date" in project.run("dvc", "status").stdout
+    assert (project.root / "dvc.lock").is_file()
+
+
+def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
+    exp = project.mlflow_post(
+        "experiments/search", {"max_results": 10, "filter": "name = 'semspec-embedded'"}
+    )
+    (exp_id,) = [e["experiment_id"] for e in exp["experiments"]]
+    runs = project.mlflow_post("runs/search", {"experiment_ids": [exp_id], "max_results": 100})["runs"]
+    by_name = {r["info"]["run_name"]: r for r in runs}
+    probes = {f"probe-{r}-{v}" for r in ("draft", "target") for v in ("last", "all", "mix", "random")}
+    evals = {"eval-target", "eval-draft", "eval-semanticspec-random", "eval-semanticspec-all"}
+    assert probes | evals <= set(by_name)
+    metrics = {name: {m["key"] for m in r["data"].get("metrics", [])} for name, r in by_name.items()}
+    tags = {name: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for name, r in by_name.items()}
+    for name in probes:
+        assert {"test_mse", "test_mae"} <= metrics[name]
+        assert tags[name]["stage"] == "train" and tags[name]["config_hash"]
+    for name in evals:
+        assert {"arith_pass_at_1", "arith_tps", "arith_latency_s", "arith_target_share"} <= metrics[name]
+        assert tags[name]["stage"] == "evaluate"
+    versions = project.mlflow_post("registered-models/search", {"filter": "name LIKE 'semspec-embedded-%'"})
+    assert len(versions["registered_models"]) == 8
+
+
+def test_second_run_skips_every_stage(project):
+    project.run("prefect", "deployment", "run", "semspec/full", "--watch")
+    report = project.artifact("semspec-embedded")
+    for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
+        assert f"| {stage} | dvc | up to date |" in report
+
+
+def test_retrain_trains_a_new_pair_and_only_it(project):
+    spec = yaml.safe_load((project.root / "conf/pairs/embedded.yaml").read_text())
+    (project.root / "conf/pairs/embedded-copy.yaml").write_text(
+        yaml.safe_dump({**spec, "name": "embedded-copy"})
+    )
+    before = project.run("semspec", "pairs", "status").stdout
+    assert "embedded: up to date" in before and "embedded-copy: no champion probe" in before
+    old = httpx.get(
+        f"{project.mlflow}/api/2.0/mlflow/registered-models/alias",
+        params={"name": "semspec-embedded-target-all", "alias": "champion"},
+    ).json()["model_version"]["version"]
+    project.run("prefect", "deployment", "run", "semspec/retrain", "--watch")
+    after = project.run("semspec", "pairs", "status").stdout
+    assert "embedded: up to date" in after and "embedded-copy: up to date" in after
+    assert "| train | direct | ran |" in project.artifact("semspec-embedded-copy")
+    now = httpx.get(
+        f"{project.mlflow}/api/2.0/mlflow/registered-models/alias",
+        params={"name": "semspec-embedded-target-all", "alias": "champion"},
+    ).json()["model_version"]["version"]
+    assert now == old  # the up-to-date pair was left alone
