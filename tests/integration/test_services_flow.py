@@ -112,8 +112,13 @@ def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
     for name in evals:
         assert {"arith_pass_at_1", "arith_tps", "arith_latency_s", "arith_target_share"} <= metrics[name]
         assert tags[name]["stage"] == "evaluate"
-    versions = project.mlflow_post("registered-models/search", {"filter": "name LIKE 'semspec-embedded-%'"})
-    assert len(versions["registered_models"]) == 8
+    r = httpx.get(
+        f"{project.mlflow}/api/2.0/mlflow/registered-models/search",
+        params={"filter": "name LIKE 'semspec-embedded-%'", "max_results": 100},
+    )
+    r.raise_for_status()
+    registered = {m["name"] for m in r.json()["registered_models"]}
+    assert {f"semspec-embedded-{name[len('probe-') :]}" for name in probes} <= registered
 
 
 def test_second_run_skips_every_stage(project):
