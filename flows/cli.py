@@ -282,6 +282,7 @@ def train(
     pair: PairOverride = None,
 ) -> None:
     """Stage train: fit, evaluate, log to MLflow and register the probes (alias champion)."""
+    from flows.report import metrics_table
     from tasks.registry import pipeline_fingerprint
     from tasks.train import run_train
 
@@ -298,8 +299,6 @@ def train(
         None,
         _or_exit(pipeline_fingerprint, p, cfg),
     )
-    from flows.report import metrics_table
-
     typer.echo(metrics_table(res))
 
 
@@ -376,6 +375,7 @@ def evaluate(
     """Stage evaluate: every method on the benchmarks (pass@1, latency, TPS, target share, speed-up)."""
     import shutil
 
+    from flows.report import eval_table
     from tasks.evaluate import run_evaluate
 
     p, cfg = _params(params, profile, set_, pair)
@@ -386,8 +386,6 @@ def evaluate(
     dest = _path(metrics, "evaluate", "metrics", p)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "metrics.json", dest)
-    from flows.report import eval_table
-
     typer.echo(eval_table(res))
 
 
