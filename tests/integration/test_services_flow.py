@@ -104,13 +104,19 @@ def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
     probes = {f"probe-{r}-{v}" for r in ("draft", "target") for v in ("last", "all", "mix", "random")}
     evals = {"eval-target", "eval-draft", "eval-semanticspec-random", "eval-semanticspec-all"}
     assert probes | evals <= set(by_name)
-    metrics = {name: {m["key"] for m in r["data"].get("metrics", [])} for name, r in by_name.items()}
+    metrics = {
+        name: {m["key"]: m["value"] for m in r["data"].get("metrics", [])} for name, r in by_name.items()
+    }
     tags = {name: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for name, r in by_name.items()}
     for name in probes:
-        assert {"test_mse", "test_mae"} <= metrics[name]
+        # a tiny run's held-out question can have no valid sample: then only the count is logged
+        assert "test_n" in metrics[name]
+        if metrics[name]["test_n"] > 0:
+            assert {"test_mse", "test_mae"} <= set(metrics[name])
         assert tags[name]["stage"] == "train" and tags[name]["config_hash"]
+    assert any(metrics[f"probe-target-{v}"]["test_n"] > 0 for v in ("last", "all", "mix", "random"))
     for name in evals:
-        assert {"arith_pass_at_1", "arith_tps", "arith_latency_s", "arith_target_share"} <= metrics[name]
+        assert {"arith_pass_at_1", "arith_tps", "arith_latency_s", "arith_target_share"} <= set(metrics[name])
         assert tags[name]["stage"] == "evaluate"
     r = httpx.get(
         f"{project.mlflow}/api/2.0/mlflow/registered-models/search",
