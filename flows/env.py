@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from models.spec import project_root
@@ -36,6 +37,11 @@ def _port(var: str, default: int) -> int:
 def service_urls() -> dict[str, str]:
     """Browser URLs of the Prefect and MLflow UIs."""
     return {"prefect": f"http://{HOST}:{prefect_port()}", "mlflow": f"http://{HOST}:{mlflow_port()}"}
+
+
+def with_venv_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this Python's ``bin`` folder (``semspec``, ``dvc``, ``prefect``, ``mlflow``) first on PATH."""
+    return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
 
 
 def project_env(root: Path | None = None) -> dict[str, str]:

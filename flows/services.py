@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from flows.env import HOST, effective_env, mlflow_port, prefect_port
+from flows.env import HOST, effective_env, mlflow_port, prefect_port, with_venv_path
 from models.spec import project_root
 
 log = logging.getLogger(__name__)
@@ -166,8 +166,7 @@ def start(svc: Service, root: Path | None = None, echo: Callable[[str], None] = 
             f"stop that process or choose another port with {var}=<port>"
         )
     logfile = d / f"{svc.name}.log"
-    env = {**os.environ, **effective_env(root), **svc.env}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env = with_venv_path({**os.environ, **effective_env(root), **svc.env})
     offset = logfile.stat().st_size if logfile.is_file() else 0
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(

@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from flows.env import with_venv_path
 from models.spec import project_root
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,7 @@ def plan_stage(
 def stage_env() -> dict[str, str]:
     """This process's environment with its Python's ``bin`` first on PATH (``semspec``, ``dvc``) and
     progress bars throttled for log capture."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env = with_venv_path(dict(os.environ))
     env.setdefault("TQDM_MININTERVAL", "15")
     env["PYTHONUNBUFFERED"] = "1"
     return env
