@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 FEATURES = ("last", "all", "mix")
+SIGMA_FLOOR = 1e-6  # a standard deviation below this counts as constant
 
 
 class ProbeMLP(L.LightningModule):
@@ -52,9 +53,19 @@ class ProbeMLP(L.LightningModule):
         self.mlp = nn.Sequential(*layers)
 
     def set_standardization(self, x: torch.Tensor) -> None:
-        """Fit the input standardisation on training inputs ``x`` (N, D) or (N, L+1, D)."""
-        self.mu.copy_(x.float().mean(dim=0))
-        self.sigma.copy_(x.float().std(dim=0).clamp_min(1e-6))
+        """Fit the input standardisation on training inputs ``x`` (N, D) or (N, L+1, D).
+
+        Population statistics (defined for a single row); a dimension that does not vary in training
+        keeps scale 1, as in scikit-learn's ``StandardScaler``, so an unseen value cannot blow up.
+        """
+        if x.shape[0] < 1:
+            raise ValueError("set_standardization needs at least one training row")
+        x = x.float()
+        if not torch.isfinite(x).all():
+            raise ValueError("training inputs contain NaN or infinite values: re-run the sample stage")
+        sigma = x.std(dim=0, correction=0)
+        self.mu.copy_(x.mean(dim=0))
+        self.sigma.copy_(torch.where(sigma < SIGMA_FLOOR, torch.ones_like(sigma), sigma))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, D) or (B, L+1, D) for mix -> probability (B,)."""

@@ -1,7 +1,9 @@
 """Stage ``cluster``: group each prefix's samples by meaning -> semantic-probability labels.
 
-A sample's label is ``|its cluster| / n_valid``. Empty and length-cut samples are invalid: counted per
-prefix (``n_invalid``) and not labelled. The judge runs in Ray actors (GPU when the spec says cuda).
+A sample's label is ``|its cluster| / n_valid``. Empty samples are invalid: counted per prefix
+(``n_invalid``) and not labelled. Samples cut by the step budget are labelled like any other
+(``cluster.label_length_cut``, default on): the decoders cut steps at the same budget and the probes
+score those steps too, so they must see such steps in training. The judge runs in Ray actors (GPU when the spec says cuda).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ LABEL_SCHEMA = pa.schema(
 )
 
 
-def is_valid(text: str, finish_reason: str) -> bool:
-    """A sample counts when it has content and was not cut by the token budget."""
-    return finish_reason != "length" and bool(text.strip())
+def is_valid(text: str, finish_reason: str, label_length_cut: bool = True) -> bool:
+    """A sample counts when it has content (and, unless ``label_length_cut``, was not cut by the budget)."""
+    return bool(text.strip()) and (label_length_cut or finish_reason != "length")
 
 
 def inject_noise(cluster_ids: list[int], fraction: float, rng: random.Random) -> list[int]:
@@ -66,7 +68,7 @@ def label_prefix(
     valid = [
         i
         for i, (t, f) in enumerate(zip(group["text"], group["finish_reason"], strict=True))
-        if is_valid(t, f)
+        if is_valid(t, f, cfg.label_length_cut)
     ]
     n_invalid = len(group["text"]) - len(valid)
     if not valid:

@@ -96,6 +96,7 @@ class ClusterConfig:
     batch_prefixes: int = 16  # prefixes per judge-actor call
     with_question: bool = False  # prepend the question (and prefix) to both sides of each judged pair
     noise: float = 0.0  # fraction of valid samples moved to a wrong cluster (robustness study)
+    label_length_cut: bool = True  # label samples cut by the step budget (decoding cuts steps there too)
     executor: str = "ray"
     seed: int = 0
 

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 FEATURE_COLUMN = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
 ECE_BINS = 10
+MIN_TRAIN_ROWS = 2  # fewer cannot be standardised or early-stopped meaningfully
 
 
 @dataclass
@@ -188,6 +189,12 @@ def fit_probe(
         cfg.weight_decay,
     )
     tr, va = torch.from_numpy(masks["train"]), torch.from_numpy(masks["val"])
+    if int(tr.sum()) < MIN_TRAIN_ROWS:
+        raise ValueError(
+            f"{role} probe: only {int(tr.sum())} labelled training samples after the split by question "
+            f"(need {MIN_TRAIN_ROWS}): sample more questions (ingest.max_questions) or more samples per "
+            "prefix (sample.n), or keep budget-cut steps (cluster.label_length_cut: true)"
+        )
     probe.set_standardization(x[tr])
     train_dl = DataLoader(TensorDataset(x[tr], y[tr]), batch_size=cfg.batch_size, shuffle=True)
     val_dl = DataLoader(TensorDataset(x[va], y[va]), batch_size=1024)
@@ -221,6 +228,9 @@ def fit_probe(
         state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     best.load_state_dict(state)
+    bad = [k for k, t in best.state_dict().items() if not torch.isfinite(t).all()]
+    if bad:
+        raise RuntimeError(f"{role}/{variant} probe diverged (non-finite {', '.join(bad)}): lower train.lr")
     return best.eval()
 
 

@@ -17,7 +17,24 @@ def test_mlp_probe_outputs_probabilities():
     p.set_standardization(x)
     out = p(x)
     assert out.shape == (5,) and ((out > 0) & (out < 1)).all()
-    assert torch.allclose(p.mu, x.mean(0)) and torch.allclose(p.sigma, x.std(0))
+    assert torch.allclose(p.mu, x.mean(0)) and torch.allclose(p.sigma, x.std(0, correction=0))
+
+
+def test_standardisation_of_one_row_and_constant_dimensions_stays_finite():
+    p = ProbeMLP(4, [3], "all")
+    p.set_standardization(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # one training row: no spread at all
+    assert torch.equal(p.sigma, torch.ones(4)), "constant dimensions keep scale 1"
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 5.0, 3.0, 4.0], [2.0, 2.0, 3.0, 4.0]])
+    p.set_standardization(x)
+    assert p.sigma[0] > 0.4 and p.sigma[1] > 1 and torch.equal(p.sigma[2:], torch.ones(2))
+    out = p(torch.tensor([[1.0, 2.0, 1e3, -1e3]]))  # far off in the dimensions seen constant
+    assert torch.isfinite(out).all()
+
+
+def test_standardisation_rejects_non_finite_inputs():
+    p = ProbeMLP(2, [2], "all")
+    with pytest.raises(ValueError, match="NaN"):
+        p.set_standardization(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]))
 
 
 def test_mix_probe_learns_layer_weights():

@@ -18,8 +18,8 @@ import yaml
 
 from models.judges import EmbeddingJudge
 from models.lm import load_lm
-from tasks.cluster import inject_noise, run_cluster
-from tasks.config import load_params
+from tasks.cluster import inject_noise, label_prefix, run_cluster
+from tasks.config import ClusterConfig, load_params
 from tasks.ingest import run_ingest
 from tasks.io import read_shards
 from tasks.sample import run_sample
@@ -103,6 +103,22 @@ def test_label_cluster_sizes_sum_to_valid_count(stages):
             for r in rows:
                 assert r["semantic_prob"] == pytest.approx(r["cluster_size"] / r["n_valid"])
                 assert r["in_largest"] == (r["cluster_size"] == max(sizes.values()))
+
+
+@pytest.mark.parametrize("label_length_cut, labelled", [(True, [0, 1, 3]), (False, [0, 3])])
+def test_length_cut_samples_are_labelled_unless_switched_off(label_length_cut, labelled):
+    group = {
+        "prefix_id": "p",
+        "question_id": "q",
+        "role": "draft",
+        "sample_idx": [0, 1, 2, 3],
+        "text": ["abc", "abc def ghi", "  ", "abd"],
+        "finish_reason": ["delimiter", "length", "eos", "delimiter"],
+    }
+    rows = label_prefix(_judge(), group, ClusterConfig(label_length_cut=label_length_cut))
+    assert [r["sample_idx"] for r in rows] == labelled
+    assert all(r["n_valid"] == len(labelled) and r["n_invalid"] == 4 - len(labelled) for r in rows)
+    assert [r["semantic_prob"] for r in rows if r["sample_idx"] != 1] == [2 / len(labelled)] * 2
 
 
 def test_noise_injection_moves_the_requested_share():

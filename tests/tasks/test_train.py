@@ -1,0 +1,51 @@
+"""Probe fitting on synthetic features: guards against splits too small to train on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.config import TrainConfig
+from tasks.train import ProbeData, fit_probe, predict
+
+
+def _data(n: int, d: int = 6) -> ProbeData:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    x[:, 0] = 3.0  # a dimension that never varies
+    y = (1 / (1 + np.exp(-x[:, 1]))).astype(np.float32)
+    return ProbeData(
+        x={"all": x},
+        y=y,
+        in_largest=y > 0.5,
+        question_id=np.array([f"q{i}" for i in range(n)]),
+        model_id="m",
+        hidden_size=d,
+        num_layers=0,
+    )
+
+
+def _masks(n: int, n_train: int) -> dict[str, np.ndarray]:
+    idx = np.arange(n)
+    return {"train": idx < n_train, "val": idx >= n_train, "test": idx >= n_train}
+
+
+def test_fit_probe_refuses_a_single_training_row():
+    with pytest.raises(ValueError, match="only 1 labelled training samples"):
+        fit_probe(
+            _data(4),
+            "all",
+            "draft",
+            _masks(4, 1),
+            TrainConfig(hidden_draft=[4], max_epochs=2, register=False),
+        )
+
+
+def test_fit_probe_on_a_tiny_split_gives_finite_predictions():
+    data = _data(12)
+    cfg = TrainConfig(hidden_draft=[4], max_epochs=3, patience=2, register=False)
+    probe = fit_probe(data, "all", "draft", _masks(12, 2), cfg)
+    assert all(torch.isfinite(t).all() for t in probe.state_dict().values())
+    pred = predict(probe, data.x["all"] * 100)  # far outside the training range
+    assert np.isfinite(pred).all() and ((pred >= 0) & (pred <= 1)).all()
