@@ -63,7 +63,7 @@ class SampleConfig:
     n: int = 20  # samples per prefix (paper: 20)
     temperature: float = 0.6
     top_p: float = 0.95
-    max_step_tokens: int = 48  # step budget
+    max_step_tokens: int | None = None  # None: each model's max_step_tokens (the decoding budget)
     batch_prefixes: int = 2  # prefixes per actor call = rows per shard
     store_layers: bool = True  # also store h_layers (float16) for the mix probe
     roles: list[str] = field(default_factory=lambda: list(ROLES))
@@ -73,12 +73,10 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            "sample",
-            n=self.n,
-            max_step_tokens=self.max_step_tokens,
-            batch_prefixes=self.batch_prefixes,
-            actors_per_role=self.actors_per_role,
+            "sample", n=self.n, batch_prefixes=self.batch_prefixes, actors_per_role=self.actors_per_role
         )
+        if self.max_step_tokens is not None:
+            _positive("sample", max_step_tokens=self.max_step_tokens)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("sample: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
         if not self.roles or set(self.roles) - set(ROLES):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from models.spec import load_pair
 from tasks.config import load_params
 
 
 def test_default_params_are_the_demo_profile():
     p = load_params()
     assert p.pair == "embedded" and p.profile == "demo"
-    assert p.sample.n == 12 and p.sample.max_step_tokens == 40
+    assert p.sample.n == 12 and p.sample.max_step_tokens is None  # the pair's budget, as in decoding
+    pair = load_pair(p.pair)
+    assert pair.draft.max_step_tokens == pair.target.max_step_tokens == 40
     assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 20
     assert p.retrain.cron == "0 3 * * 1" and p.retrain.stages[0] == "ingest"
     assert p.train.variants == ["last", "all", "mix", "random"]
@@ -19,7 +22,7 @@ def test_default_params_are_the_demo_profile():
 
 def test_profiles_and_overrides():
     paper = load_params(profile="paper")
-    assert paper.ingest.source == "s1k" and paper.sample.max_step_tokens == 256 and paper.sample.n == 20
+    assert paper.ingest.source == "s1k" and paper.sample.max_step_tokens is None and paper.sample.n == 20
     tiny = load_params(profile="tiny", overrides=["sample.n=3", "train.variants=[all, random]"])
     assert tiny.sample.n == 3 and tiny.train.variants == ["all", "random"]
 
@@ -28,6 +31,7 @@ def test_profiles_and_overrides():
     "override, msg",
     [
         ("sample.n=0", "'n'"),
+        ("sample.max_step_tokens=0", "max_step_tokens"),
         ("sample.top_p=1.5", "top_p"),
         ("sample.roles=[judge]", "roles"),
         ("sample.executor=dask", "executor"),
