@@ -3,7 +3,8 @@
 A sample's label is ``|its cluster| / n_valid``. Empty samples are invalid: counted per prefix
 (``n_invalid``) and not labelled. Samples cut by the step budget are labelled like any other
 (``cluster.label_length_cut``, default on): the decoders cut steps at the same budget and the probes
-score those steps too, so they must see such steps in training. The judge runs in Ray actors (GPU when the spec says cuda).
+score those steps too, so they must see such steps in training. The judge runs in Ray actors (GPU when
+the spec says cuda).
 """
 
 from __future__ import annotations

@@ -189,9 +189,10 @@ def fit_probe(
         cfg.weight_decay,
     )
     tr, va = torch.from_numpy(masks["train"]), torch.from_numpy(masks["val"])
-    if int(tr.sum()) < MIN_TRAIN_ROWS:
+    n_train = int(tr.sum())
+    if n_train < MIN_TRAIN_ROWS:
         raise ValueError(
-            f"{role} probe: only {int(tr.sum())} labelled training samples after the split by question "
+            f"{role} probe: only {n_train} labelled training samples after the split by question "
             f"(need {MIN_TRAIN_ROWS}): sample more questions (ingest.max_questions) or more samples per "
             "prefix (sample.n), or keep budget-cut steps (cluster.label_length_cut: true)"
         )

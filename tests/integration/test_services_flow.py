@@ -16,6 +16,7 @@ import yaml
 from tests.helpers.project import copy_project, free_port, project_environ
 
 pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]
+CHAMPION = {"name": "semspec-embedded-target-all", "alias": "champion"}
 
 
 class Project:
@@ -47,6 +48,11 @@ class Project:
 
     def mlflow_post(self, path: str, body: dict) -> dict:
         r = httpx.post(f"{self.mlflow}/api/2.0/mlflow/{path}", json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def mlflow_get(self, path: str, params: dict) -> dict:
+        r = httpx.get(f"{self.mlflow}/api/2.0/mlflow/{path}", params=params, timeout=30)
         r.raise_for_status()
         return r.json()
 
@@ -118,12 +124,10 @@ def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
     for name in evals:
         assert {"arith_pass_at_1", "arith_tps", "arith_latency_s", "arith_target_share"} <= set(metrics[name])
         assert tags[name]["stage"] == "evaluate"
-    r = httpx.get(
-        f"{project.mlflow}/api/2.0/mlflow/registered-models/search",
-        params={"filter": "name LIKE 'semspec-embedded-%'", "max_results": 100},
+    found = project.mlflow_get(
+        "registered-models/search", {"filter": "name LIKE 'semspec-embedded-%'", "max_results": 100}
     )
-    r.raise_for_status()
-    registered = {m["name"] for m in r.json()["registered_models"]}
+    registered = {m["name"] for m in found["registered_models"]}
     assert {f"semspec-embedded-{name[len('probe-') :]}" for name in probes} <= registered
 
 
@@ -141,16 +145,10 @@ def test_retrain_trains_a_new_pair_and_only_it(project):
     )
     before = project.run("semspec", "pairs", "status").stdout
     assert "embedded: up to date" in before and "embedded-copy: no champion probe" in before
-    old = httpx.get(
-        f"{project.mlflow}/api/2.0/mlflow/registered-models/alias",
-        params={"name": "semspec-embedded-target-all", "alias": "champion"},
-    ).json()["model_version"]["version"]
+    old = project.mlflow_get("registered-models/alias", CHAMPION)["model_version"]["version"]
     project.run("prefect", "deployment", "run", "semspec/retrain", "--watch")
     after = project.run("semspec", "pairs", "status").stdout
     assert "embedded: up to date" in after and "embedded-copy: up to date" in after
     assert "| train | direct | ran |" in project.artifact("semspec-embedded-copy")
-    now = httpx.get(
-        f"{project.mlflow}/api/2.0/mlflow/registered-models/alias",
-        params={"name": "semspec-embedded-target-all", "alias": "champion"},
-    ).json()["model_version"]["version"]
+    now = project.mlflow_get("registered-models/alias", CHAMPION)["model_version"]["version"]
     assert now == old  # the up-to-date pair was left alone
