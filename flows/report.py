@@ -24,21 +24,46 @@ def metrics_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+EVAL_COLUMNS = [
+    "pass@1",
+    "pass@1_ci95",
+    "delta_vs_target_ci95",
+    "latency_s",
+    "tps",
+    "target_share",
+    "step_acceptance",
+    "speedup_latency",
+    "speedup_per_token",
+    "n",
+]
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, list):
+        return "[" + ", ".join(_cell(x) for x in v) + "]"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
 def eval_table(res: dict) -> str:
-    """Evaluation metrics as a markdown table (one row per benchmark and method)."""
-    cols = ["pass@1", "latency_s", "tps", "target_share", "step_acceptance", "speedup_vs_target", "n"]
+    """Evaluation metrics as a markdown table (one row per benchmark and method), then each model's dtype
+    and what was skipped. ``speedup_latency`` is the paper's speed-up (mean latency per problem vs target)."""
+    cols = EVAL_COLUMNS
     lines = ["| benchmark | method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    notes = []
     for bench, ms in res.items():
-        if bench.startswith("_"):
-            lines += [f"| {b} | skipped: {why} |" for b, why in ms.items()]
-            continue
-        for m, v in ms.items():
-            cells = [
-                "n/a" if v[c] is None else f"{v[c]:.3f}" if isinstance(v[c], float) else str(v[c])
-                for c in cols
-            ]
-            lines.append(f"| {bench} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if bench == "_models":
+            notes.append(
+                "models: "
+                + ", ".join(f"{r} {m['model_id']} ({m['dtype']}, {m['device']})" for r, m in ms.items())
+            )
+        elif bench.startswith("_"):
+            notes += [f"{bench.strip('_').replace('_', ' ')}: {b}: {why}" for b, why in ms.items()]
+        else:
+            for m, v in ms.items():
+                lines.append(f"| {bench} | {m} | " + " | ".join(_cell(v.get(c)) for c in cols) + " |")
+    return "\n".join(lines + [""] * bool(notes) + notes)
 
 
 def stage_metrics(stage: str, pair: str, profile: str, root: Path | None = None) -> dict[str, Any] | None:

@@ -26,6 +26,14 @@ import torch
 from models.grading import extract_answer
 from models.lm import LM, LMState, Pooled
 
+METHODS = ("target", "draft", "semanticspec", "specsampling", "assisted", "specreason")
+
+
+class MethodNotApplicable(ValueError):
+    """A decoding method that cannot run on this pair (e.g. token-level speculation across two
+    vocabularies); evaluation and the bench skip it and report the reason."""
+
+
 ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
 StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
 
@@ -398,8 +406,13 @@ class TokenSpecDecoder:
     method = "specsampling"
 
     def __init__(self, draft: LM, target: LM, settings: DecodeSettings, lookahead: int = 4) -> None:
-        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise ValueError("token-level speculative sampling needs one vocabulary; use assisted generation")
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        if not same_vocabulary(draft, target):
+            raise MethodNotApplicable(
+                f"token-level speculative sampling needs one vocabulary; {draft.model_id} and "
+                f"{target.model_id} have different tokenizers (use method 'assisted')"
+            )
         self.draft, self.target, self.settings, self.lookahead = draft, target, settings, lookahead
 
     def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
@@ -413,7 +426,7 @@ class TokenSpecDecoder:
             ids,
             s.max_new_tokens,
             self.lookahead,
-            s.temperature or 1e-4,
+            s.temperature,
             torch.Generator().manual_seed(s.seed),
             self.target.eos_ids,
         )
@@ -427,15 +440,22 @@ class TokenSpecDecoder:
         return _finish(self.method, res, t0, s)
 
 
+def same_vocabulary(draft: LM, target: LM) -> bool:
+    """Whether the two models share one vocabulary (token ids mean the same text and logits align)."""
+    dv = draft.model.get_output_embeddings().weight.shape[0]
+    tv = target.model.get_output_embeddings().weight.shape[0]
+    return dv == tv and draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+
+
 class AssistedDecoder:
     """transformers' assisted generation (universal assisted generation when the tokenizers differ):
     the industry token-level baseline. Greedy only across different tokenizers."""
 
-    method = "specsampling"
+    method = "assisted"
 
     def __init__(self, draft: LM, target: LM, settings: DecodeSettings) -> None:
         self.draft, self.target, self.settings = draft, target, settings
-        self.same_vocab = draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+        self.same_vocab = same_vocabulary(draft, target)
         if settings.temperature > 0 and not self.same_vocab:
             raise ValueError(
                 "assisted generation across different tokenizers is greedy only: use temperature 0"
@@ -499,21 +519,28 @@ def speculative_sample(
 ) -> tuple[list[int], dict[str, int]]:
     """Token-level speculative sampling (Leviathan et al. 2023) for two models sharing a vocabulary.
 
-    The output is distributed exactly as sampling from the target at ``temperature``. Returns the new
-    ids and counts (proposed, accepted, target forward passes).
+    The output is distributed exactly as sampling from the target at ``temperature``; with
+    ``temperature == 0`` it is the target's greedy output, token for token (a proposal is kept when it is
+    the target's argmax). Returns the new ids and counts (proposed, accepted, target forward passes).
     """
     from transformers.cache_utils import DynamicCache
 
-    if lookahead < 1 or max_new_tokens < 1 or temperature <= 0:
-        raise ValueError("lookahead and max_new_tokens must be >= 1 and temperature > 0")
+    if lookahead < 1 or max_new_tokens < 1 or temperature < 0:
+        raise ValueError("lookahead and max_new_tokens must be >= 1 and temperature >= 0")
+    greedy = temperature == 0
     gen = generator or torch.Generator().manual_seed(0)
     eos_ids = eos_ids or set()
 
     def probs(logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> (..., V) float64
+        if greedy:  # the argmax as a one-hot distribution
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
         return torch.softmax(logits.double() / temperature, dim=-1)
 
-    def run(model, ids: list[int], cache) -> torch.Tensor:  # ids (T,) -> logits (T, V)
-        return model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
+    def pick(p: torch.Tensor) -> int:  # a token from distribution p (V,)
+        return int(p.argmax()) if greedy else int(torch.multinomial(p.float(), 1, generator=gen))
+
+    def run(model, ids: list[int], cache, keep: int = 1) -> torch.Tensor:  # ids (T,) -> logits (keep, V)
+        return model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 
     dcache, tcache = DynamicCache(config=draft_model.config), DynamicCache(config=target_model.config)
     d_last = run(draft_model, prompt_ids, dcache)[-1]  # (V,)
@@ -526,25 +553,29 @@ def speculative_sample(
         xs, qs, logits = [], [], d_last
         for _ in range(k):
             q = probs(logits)
-            x = int(torch.multinomial(q.float(), 1, generator=gen))
+            x = pick(q)
             xs.append(x)
             qs.append(q)
             logits = run(draft_model, [x], dcache)[-1]
+            if x in eos_ids:
+                break
+        k = len(xs)
         # 2. one target pass scores every proposal: p_0 from the cache, p_1..p_k from the pass
-        t_logits = run(target_model, xs, tcache)  # (k, V)
+        t_logits = run(target_model, xs, tcache, keep=k)  # (k, V)
         stats["target_passes"] += 1
         ps = [probs(t_last)] + [probs(t_logits[i]) for i in range(k)]
         # 3. accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on rejection resample from (p - q)+
         n_ok, new = 0, None
         for i, x in enumerate(xs):
-            if torch.rand(1, generator=gen).item() < min(1.0, float(ps[i][x] / qs[i][x])):
+            ratio = float(ps[i][x] / qs[i][x])
+            if ratio >= 1.0 or (not greedy and torch.rand(1, generator=gen).item() < ratio):
                 n_ok += 1
                 continue
             resid = (ps[i] - qs[i]).clamp_min(0)
-            new = int(torch.multinomial((resid / resid.sum()).float(), 1, generator=gen))
+            new = pick(resid / resid.sum())
             break
         if new is None:
-            new = int(torch.multinomial(ps[k].float(), 1, generator=gen))
+            new = pick(ps[k])
         stats["proposed"] += k
         stats["accepted"] += n_ok
         # 4. keep the accepted prefix in both caches, then feed the corrected / bonus token
@@ -556,10 +587,10 @@ def speculative_sample(
         if len(out) >= max_new_tokens or any(t in eos_ids for t in xs[:n_ok]):
             break
         out.append(new)
+        if new in eos_ids or len(out) >= max_new_tokens:
+            break
         t_last = run(target_model, [new], tcache)[-1]
         d_last = run(draft_model, [new], dcache)[-1]
-        if new in eos_ids:
-            break
     for i, t in enumerate(out):  # stop at the first EOS
         if t in eos_ids:
             out = out[: i + 1]

@@ -206,7 +206,8 @@ def calibrate(
 
 def load_judge(spec: JudgeSpec) -> Judge:
     """Build the judge a pair's config names (Hub id, local folder, or a package that ships it)."""
-    from models.lm import pick_device, resolve_path
+    from models.lm import pick_device
+    from models.weights import resolve_path
 
     where = resolve_path(spec.source, spec.path)
     device = pick_device(spec.device)

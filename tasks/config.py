@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from models.decoding import METHODS
 from models.spec import from_mapping, project_root
 
 ROLES = ("draft", "target")
@@ -153,7 +154,7 @@ class TrainConfig:
 
 
 EVAL_BENCHMARKS = ("arith", "math500", "aime24", "amc23", "gpqa")
-EVAL_METHODS = ("target", "draft", "semanticspec", "specsampling", "specreason")
+EVAL_METHODS = METHODS
 
 
 @dataclass

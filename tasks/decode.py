@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 
 from models.decoding import (
+    METHODS,
     AssistedDecoder,
     DecodeSettings,
     SemanticSpecDecoder,
     SingleModelDecoder,
     SpecReasonDecoder,
+    TokenSpecDecoder,
 )
 from models.lm import LM
 from models.probe import probe_probability
@@ -18,7 +20,6 @@ from tasks.registry import load_probe
 
 log = logging.getLogger(__name__)
 
-METHODS = ("target", "draft", "semanticspec", "specsampling", "specreason")
 PROBE_VARIANTS = ("random", "last", "all", "mix")
 
 
@@ -31,12 +32,15 @@ def probe_fn(pair: str, role: str, variant: str, lm: LM):
 def build_decoder(
     method: str, pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, variant: str = "all"
 ):
-    """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``."""
+    """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``.
+    ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if method in ("target", "draft"):
         return SingleModelDecoder(lms[method], settings, method)
-    if method == "specsampling":
+    if method == "specsampling":  # raises MethodNotApplicable across two vocabularies
+        return TokenSpecDecoder(lms["draft"], lms["target"], settings)
+    if method == "assisted":
         return AssistedDecoder(lms["draft"], lms["target"], settings)
     if method == "specreason":
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)

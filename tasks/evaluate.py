@@ -1,9 +1,15 @@
 """Stage ``evaluate``: every decoding method on the benchmarks, graded, timed and logged to MLflow.
 
-Per problem rows go to ``eval/<benchmark>/<method>.jsonl``; the summary (pass@1 as the mean over seeds,
-latency, output tokens per second, the target's share of output tokens, step acceptance and speed-up
-vs ``target`` measured in the same run) to ``eval/metrics.json``. Methods run interleaved on each
-problem so that machine load affects them alike.
+Per problem rows go to ``eval/<benchmark>/<method>.jsonl``; the summary to ``eval/metrics.json``: pass@1
+(mean over seeds) with a 95% bootstrap interval and the paired difference to ``target`` on the same
+problems, latency, output tokens per second, the target's share of output tokens, step acceptance, and
+two speed-ups against ``target`` measured in the same run: ``speedup_latency`` (mean latency per problem,
+the paper's definition) and ``speedup_per_token`` (time per output token). Methods run interleaved on each
+problem so that machine load affects them alike. A method that cannot run on the pair (``specsampling``
+across two vocabularies) is listed under ``_skipped_methods`` with the reason.
+
+The stage resumes per problem: a row already in ``<method>.jsonl`` with the same run key (evaluation
+settings, pair file, probe versions) is kept and not decoded again; rows with another key are dropped.
 """
 
 from __future__ import annotations
@@ -12,19 +18,22 @@ import json
 import logging
 import random
 import statistics
+import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
-from models.decoding import DecodeResult, DecodeSettings
+from models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
 from models.grading import grade
 from models.lm import LM, load_lm
 from models.spec import PairConfig
 from tasks.config import EvaluateConfig
 from tasks.data import Problem, generate_arith, load_source
 from tasks.decode import build_decoder
-from tasks.io import write_json_atomic
+from tasks.io import config_hash, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +50,8 @@ def eval_problems(name: str, count: int, seed: int, data_dir: str | None = None)
 
 def _decoders(
     cfg: EvaluateConfig, pair: PairConfig, lms: dict[str, LM], benchmark: str, seed: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The decoders of every method label, and the labels that cannot run on this pair with the reason."""
     settings = DecodeSettings(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
@@ -50,34 +60,96 @@ def _decoders(
         seed=seed,
         benchmark="gpqa" if benchmark == "gpqa" else "math",
     )
-    out = {}
+    out, skipped = {}, {}
     for label in cfg.method_labels():
         method, _, variant = label.partition("-")
-        out[label] = build_decoder(method, pair, lms, settings, variant or "all")
+        try:
+            out[label] = build_decoder(method, pair, lms, settings, variant or "all")
+        except MethodNotApplicable as e:
+            skipped[label] = str(e)
+    return out, skipped
+
+
+def bootstrap_pass(
+    correct: list[bool], base: list[bool] | None = None, n_resamples: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """95% percentile-bootstrap interval of pass@1 over problems and, with ``base`` (the target's grades on
+    the same problems, in the same order), of the paired difference ``pass@1 - base pass@1``.
+    Intervals need at least two problems (None otherwise)."""
+    from scipy.stats import bootstrap
+
+    a = np.asarray(correct, dtype=float)
+    out: dict[str, Any] = {"pass@1_ci95": None}
+    if base is not None:
+        b = np.asarray(base, dtype=float)
+        if b.shape != a.shape:
+            raise ValueError(f"paired bootstrap needs grades on the same problems: {a.shape} vs {b.shape}")
+        out.update(delta_vs_target=float(a.mean() - b.mean()) if len(a) else None, delta_vs_target_ci95=None)
+    if len(a) < 2:
+        return out
+    kw = {
+        "n_resamples": n_resamples,
+        "method": "percentile",
+        "vectorized": True,
+        "rng": np.random.default_rng(seed),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # all-equal grades: a degenerate (zero-width) interval is the answer
+        ci = bootstrap((a,), np.mean, **kw).confidence_interval
+        out["pass@1_ci95"] = [float(ci.low), float(ci.high)]
+        if base is not None:
+            diff = bootstrap((a, b), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True, **kw)
+            out["delta_vs_target_ci95"] = [
+                float(diff.confidence_interval.low),
+                float(diff.confidence_interval.high),
+            ]
     return out
 
 
-def summarize_rows(rows: list[dict[str, Any]], base_ms_per_token: float | None) -> dict[str, Any]:
-    """Metrics of one (benchmark, method) from its per-problem rows. The speed-up is the ratio of time per
-    output token to the target's in the same run (outputs of different lengths stay comparable)."""
+def summarize_rows(
+    rows: list[dict[str, Any]], base_rows: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Metrics of one (benchmark, method) from its per-problem rows, against ``base_rows`` (the target's rows
+    of the same run) where given. Speed-ups and the paired pass@1 difference use only the problems (question,
+    seed) both have: ``speedup_latency`` = the target's mean latency per problem / this method's (the
+    paper's speed-up), ``speedup_per_token`` = the target's time per output token / this method's (fair
+    when outputs differ in length)."""
     by_seed: dict[int, list[bool]] = {}
     for r in rows:
         by_seed.setdefault(r["seed"], []).append(r["correct"])
     tokens = sum(r["output_tokens"] for r in rows)
     seconds = sum(r["latency_s"] for r in rows)
     acc = [r["acceptance_rate"] for r in rows if r["acceptance_rate"] is not None]
-    latency = statistics.mean(r["latency_s"] for r in rows)
-    ms_tok = 1000 * seconds / tokens if tokens else None
-    return {
+    out = {
         "pass@1": statistics.mean(statistics.mean(v) for v in by_seed.values()),
-        "latency_s": latency,
+        "latency_s": statistics.mean(r["latency_s"] for r in rows),
         "tps": tokens / seconds if seconds else 0.0,
         "target_share": statistics.mean(r["target_share"] for r in rows),
         "step_acceptance": statistics.mean(acc) if acc else None,
-        "speedup_vs_target": (base_ms_per_token / ms_tok) if base_ms_per_token and ms_tok else None,
-        "ms_per_token": ms_tok,
+        "speedup_latency": None,
+        "speedup_per_token": None,
+        "ms_per_token": 1000 * seconds / tokens if tokens else None,
         "n": len(rows),
     }
+    base = {(r["question_id"], r["seed"]): r for r in base_rows or []}
+    both = [(r, base[k]) for r in rows if (k := (r["question_id"], r["seed"])) in base]
+    if base_rows is None or not both:
+        out.update(bootstrap_pass([r["correct"] for r in rows]))
+        return out
+    mine, theirs = [m for m, _ in both], [t for _, t in both]
+    out.update(bootstrap_pass([r["correct"] for r in mine], [r["correct"] for r in theirs]))
+    out["speedup_latency"] = _ratio(sum(r["latency_s"] for r in theirs), sum(r["latency_s"] for r in mine))
+    out["speedup_per_token"] = _ratio(_per_token(theirs), _per_token(mine))
+    return out
+
+
+def _per_token(rows: list[dict[str, Any]]) -> float | None:
+    tokens = sum(r["output_tokens"] for r in rows)
+    return sum(r["latency_s"] for r in rows) / tokens if tokens else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
 
 
 def problem_row(
@@ -99,12 +171,53 @@ def problem_row(
         "prefill_per_output_token": res.prefill_per_output_token,
         "timings": vars(res.timings),
         "finish_reason": res.finish_reason,
+        "text": res.text,
         "steps": [
             {"author": s.author, "p": s.p, "q": s.q, "u": s.u, "target_tokens": s.target_tokens}
             for s in res.steps
         ],
         "extra": res.extra,
     }
+
+
+def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> str:
+    """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file
+    and, for SemanticSpec, the probe versions. Rows with another key are stale and decoded again."""
+    settings = {
+        k: v for k, v in asdict(cfg).items() if k not in ("benchmarks", "methods", "probe_variants", "seeds")
+    }
+    spec = {k: v for k, v in asdict(pair).items() if k != "description"}
+    return config_hash(
+        {
+            "evaluate": settings,
+            "pair": spec,
+            "label": label,
+            "probes": getattr(decoder, "probe_versions", None),
+        }
+    )
+
+
+def _resume(path: Path, key: str) -> list[dict[str, Any]]:
+    """The rows of ``path`` made with ``key``; the file is rewritten (atomically) without the others."""
+    if not path.is_file():
+        return []
+    rows, stale = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            stale += 1
+            continue
+        if row.get("run_key") == key:
+            rows.append(row)
+        else:
+            stale += 1
+    if stale:
+        log.info("evaluate: %s: dropping %d rows of other settings (or cut by a crash)", path, stale)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(path)
+    return rows
 
 
 def run_evaluate(
@@ -116,10 +229,10 @@ def run_evaluate(
     data_dir: str | None = None,
     log_mlflow: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate every method on every configured benchmark; returns ``{benchmark: {method: metrics}}``."""
+    """Evaluate every method on every configured benchmark; returns ``{benchmark: {method: metrics}}``
+    (plus ``_skipped`` benchmarks and ``_skipped_methods``). Resumes per problem (see the module notes)."""
     lms = lms or {r: load_lm(pair.role(r)) for r in ("draft", "target")}
     labels = cfg.method_labels()
-    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     problems, skipped = {}, {}
     for b, n in cfg.benchmarks.items():
         try:
@@ -129,38 +242,66 @@ def run_evaluate(
             skipped[b] = str(e)
     if not problems:
         raise ValueError(f"no benchmark could be loaded: {skipped}")
-    total = sum(len(p) for p in problems.values()) * len(cfg.seeds) * len(labels)
-    for bench in problems:  # rows are appended as each decode finishes: a crash keeps what was done
+    log.info(
+        "evaluate: %s",
+        ", ".join(f"{r} {lm.model_id} ({lm.dtype_name}, {lm.device})" for r, lm in lms.items()),
+    )
+    # 1. decoders per (benchmark, seed); methods that cannot run on this pair are skipped with the reason
+    decoders, not_run = {}, {}
+    for bench in problems:
+        for seed in cfg.seeds:
+            decoders[bench, seed], not_run = _decoders(cfg, pair, lms, bench, seed)
+    for label, why in not_run.items():
+        log.warning("evaluate: skipping %s: %s", label, why)
+    labels = [x for x in labels if x not in not_run]
+    # 2. rows already written with the same settings are kept (resume); the rest is decoded
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    keys = {label: run_key(cfg, pair, label, decoders[next(iter(decoders))][label]) for label in labels}
+    for bench in problems:
         (out_dir / bench).mkdir(parents=True, exist_ok=True)
         for label in labels:
-            (out_dir / bench / f"{label}.jsonl").unlink(missing_ok=True)
-    with tqdm(total=total, desc="evaluate", unit="decode") as bar:
-        for bench, probs in problems.items():
-            for seed in cfg.seeds:
-                decs = _decoders(cfg, pair, lms, bench, seed)
-                for i, prob in enumerate(probs):
-                    order = labels[i % len(labels) :] + labels[: i % len(labels)]  # rotate who goes first
-                    for label in order:
-                        res = decs[label].decode(prob.question)
-                        pred, ok = grade(bench, prob.answer, res.text)
-                        row = problem_row(prob, seed, label, res, pred, ok)
-                        rows.setdefault((bench, label), []).append(row)
-                        with open(out_dir / bench / f"{label}.jsonl", "a", encoding="utf-8") as f:
-                            f.write(json.dumps(row, default=str) + "\n")
-                        bar.update(1)
+            rows[bench, label] = _resume(out_dir / bench / f"{label}.jsonl", keys[label])
+    done = {(b, r["method"], r["question_id"], r["seed"]) for (b, _), rs in rows.items() for r in rs}
+    todo = [
+        (bench, seed, i, prob)
+        for bench, probs in problems.items()
+        for seed in cfg.seeds
+        for i, prob in enumerate(probs)
+    ]
+    total = len(todo) * len(labels)
+    with tqdm(total=total, initial=len(done), desc="evaluate", unit="decode") as bar:
+        for bench, seed, i, prob in todo:
+            order = labels[i % len(labels) :] + labels[: i % len(labels)]  # rotate who goes first
+            for label in order:
+                if (bench, label, prob.question_id, seed) in done:
+                    continue
+                res = decoders[bench, seed][label].decode(prob.question)
+                pred, ok = grade(bench, prob.answer, res.text)
+                row = {**problem_row(prob, seed, label, res, pred, ok), "run_key": keys[label]}
+                rows[bench, label].append(row)
+                with open(out_dir / bench / f"{label}.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row, default=str) + "\n")  # appended as it finishes: a crash keeps it
+                bar.update(1)
+    # 3. keep only the rows of this run's problems (a smaller run must not count an earlier, larger one's)
+    wanted = {(b, p.question_id, s) for b, ps in problems.items() for p in ps for s in cfg.seeds}
+    rows = {k: [r for r in rs if (k[0], r["question_id"], r["seed"]) in wanted] for k, rs in rows.items()}
     metrics: dict[str, Any] = {}
     for bench in problems:
         base = rows.get((bench, "target"))
-        base_tokens = sum(r["output_tokens"] for r in base) if base else 0
-        base_ms = 1000 * sum(r["latency_s"] for r in base) / base_tokens if base_tokens else None
-        metrics[bench] = {label: summarize_rows(rows[(bench, label)], base_ms) for label in labels}
+        metrics[bench] = {label: summarize_rows(rows[bench, label], base) for label in labels}
     if skipped:
         metrics["_skipped"] = skipped
+    if not_run:
+        metrics["_skipped_methods"] = not_run
+    metrics["_models"] = {
+        r: {"model_id": lm.model_id, "dtype": lm.dtype_name, "device": str(lm.device)}
+        for r, lm in lms.items()
+    }
     write_json_atomic(metrics, out_dir / "metrics.json")
     if plots_dir is not None:
         write_plots(metrics, rows, plots_dir)
     if log_mlflow:
-        log_to_mlflow(cfg, pair, metrics, plots_dir)
+        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, lms)
     return metrics
 
 
@@ -230,15 +371,21 @@ def write_plots(
 
 
 def log_to_mlflow(
-    cfg: EvaluateConfig, pair: PairConfig, metrics: dict[str, Any], plots_dir: Path | None
+    cfg: EvaluateConfig,
+    pair: PairConfig,
+    metrics: dict[str, Any],
+    plots_dir: Path | None,
+    labels: list[str] | None = None,
+    lms: dict[str, LM] | None = None,
 ) -> None:
-    """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``."""
+    """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``,
+    each model's dtype as a param."""
     import mlflow
 
     from tasks.registry import setup_experiment
 
     setup_experiment(pair.name)
-    for label in cfg.method_labels():
+    for label in labels or cfg.method_labels():
         method, _, variant = label.partition("-")
         tags = {"stage": "evaluate", "pair": pair.name, "method": method, "variant": variant or "none"}
         with mlflow.start_run(run_name=f"eval-{label}", tags=tags):
@@ -252,12 +399,16 @@ def log_to_mlflow(
                     "min_ratio": cfg.min_ratio,
                     "seeds": cfg.seeds,
                     "benchmarks": cfg.benchmarks,
+                    **{f"{r}_dtype": lm.dtype_name for r, lm in (lms or {}).items()},
                 }
             )
             for bench, ms in metrics.items():
                 if bench.startswith("_"):
                     continue
-                m = ms[label]
+                m = dict(ms[label])
+                for name in ("pass@1_ci95", "delta_vs_target_ci95"):
+                    if m.get(name):
+                        m[f"{name}_low"], m[f"{name}_high"] = m.pop(name)
                 mlflow.log_metrics(
                     {
                         f"{bench}_{k.replace('@', '_at_')}": float(v)

@@ -187,8 +187,8 @@ def pair_statuses(params: Any) -> dict[str, str | None]:
     params and data (``pipeline_fingerprint``), else why it needs training; an unreadable pair file
     gives ``"invalid: ..."`` and a pair whose models cannot be loaded here (not cached offline, no GPU)
     ``"unavailable: ..."``; both are reported, never trained."""
-    from models.lm import unavailable_reason
     from models.spec import list_pairs, load_pair
+    from models.weights import unavailable_reason
 
     out: dict[str, str | None] = {}
     for name in list_pairs():
@@ -198,11 +198,7 @@ def pair_statuses(params: Any) -> dict[str, str | None]:
             log.error("pair %s: %s", name, e)
             out[name] = f"invalid: {e}"
             continue
-        missing = [
-            why
-            for s in (cfg.draft, cfg.target, cfg.judge)
-            if (why := unavailable_reason(s.source, s.path, s.device, getattr(s, "gguf_file", None)))
-        ]
+        missing = [why for s in (cfg.draft, cfg.target, cfg.judge) if (why := unavailable_reason(s))]
         if missing:
             out[name] = f"unavailable: {'; '.join(missing)}"
             continue

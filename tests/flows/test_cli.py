@@ -91,8 +91,8 @@ def test_models_check_on_a_local_tiny_pair(tmp_path):
     write_tiny_pair(tmp_path, draft_hidden=32, target_hidden=64)
     res = runner.invoke(app, ["models", "check", "--pair", str(tmp_path / "tiny.yaml"), "--tokens", "4"])
     assert res.exit_code == 0, res.output
-    assert "[draft] id=tiny-draft layers=2 hidden_size=32" in res.output
-    assert "[target] id=tiny-target layers=2 hidden_size=64" in res.output
+    assert "[draft] id=tiny-draft float32 on cpu layers=2 hidden_size=32" in res.output
+    assert "[target] id=tiny-target float32 on cpu layers=2 hidden_size=64" in res.output
 
 
 def test_models_check_unknown_pair():

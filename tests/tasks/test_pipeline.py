@@ -330,7 +330,8 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
         m = res["arith"][label]
         assert m["pass@1"] == pytest.approx(sum(r["correct"] for r in rows) / 4)
         assert m["n"] == 4 and m["tps"] > 0
-    assert res["arith"]["target"]["speedup_vs_target"] == pytest.approx(1.0)
+    assert res["arith"]["target"]["speedup_latency"] == pytest.approx(1.0)
+    assert res["arith"]["target"]["speedup_per_token"] == pytest.approx(1.0)
     assert res["arith"]["target"]["target_share"] == 1.0 and res["arith"]["draft"]["target_share"] == 0.0
     assert json.loads((tmp / "eval" / "metrics.json").read_text()) == json.loads(json.dumps(res))
     assert {p.name for p in (tmp / "eval_plots").glob("*.png")} == {

@@ -1,0 +1,135 @@
+"""The `parts` weight source: joining part packages, sha256 checks, clear errors naming the package."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from models.spec import ModelSpec
+from models.weights import join_parts, parts_missing, resolve_spec, unavailable_reason, verify_sha256
+
+
+def _fake_dist(
+    site: Path, name: str, version: str, payload: bytes, record_payload: bytes | None = None
+) -> Path:
+    """An installed distribution ``name`` holding ``<module>/data/part01.bin`` with ``payload``; its RECORD
+    lists the hash of ``record_payload`` (default: the payload itself)."""
+    mod = name.replace("-", "_")
+    part = site / mod / "data" / "part01.bin"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(payload)
+    (site / mod / "__init__.py").write_text("raise ImportError('part packages must never be imported')\n")
+    info = site / f"{mod}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    digest = hashlib.sha256(record_payload if record_payload is not None else payload).digest()
+    b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    (info / "RECORD").write_text(
+        f"{mod}/__init__.py,,\n{mod}/data/part01.bin,sha256={b64},{len(payload)}\n{info.name}/METADATA,,\n"
+    )
+    return part
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "site"
+    d.mkdir()
+    monkeypatch.syspath_prepend(str(d))
+    monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    return d
+
+
+CHUNKS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
+WHOLE = hashlib.sha256(b"".join(CHUNKS)).hexdigest()
+REQS = [f"semspec-fake-part{i}==0.1" for i in (1, 2, 3)]
+
+
+def _install(site: Path) -> list[Path]:
+    return [
+        _fake_dist(site, f"semspec-fake-part{i}", "0.1", c) for i, c in zip((1, 2, 3), CHUNKS, strict=True)
+    ]
+
+
+def test_join_parts_in_order_and_checks_hash(site, tmp_path):
+    _install(site)
+    out = join_parts(REQS, "data/part*.bin", tmp_path / "out" / "m.gguf", WHOLE)
+    assert out.read_bytes() == b"".join(CHUNKS)
+    assert not list(out.parent.glob("*.tmp*"))
+    # a second call reuses the verified file (no rewrite)
+    mtime = out.stat().st_mtime_ns
+    assert join_parts(REQS, "data/part*.bin", out, WHOLE) == out
+    assert out.stat().st_mtime_ns == mtime
+
+
+def test_wrong_order_is_a_hash_error_and_leaves_no_file(site, tmp_path):
+    _install(site)
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(ValueError, match="wrong order") as e:
+        join_parts(list(reversed(REQS)), "data/part*.bin", out, WHOLE)
+    assert "sha256" in str(e.value)
+    assert not out.exists() and not list(out.parent.glob("*"))
+
+
+def test_missing_part_names_the_package(site, tmp_path):
+    _install(site)
+    reqs = [*REQS[:2], "semspec-fake-part9==0.1"]
+    with pytest.raises(ValueError, match=r"part 3/3: package 'semspec-fake-part9' is not installed"):
+        join_parts(reqs, "data/part*.bin", tmp_path / "m.gguf", WHOLE)
+    assert parts_missing(reqs) == ["semspec-fake-part9==0.1"]
+
+
+def test_other_version_names_the_package(site, tmp_path):
+    _install(site)
+    reqs = [*REQS[:2], "semspec-fake-part3==0.2"]
+    with pytest.raises(
+        ValueError, match=r"'semspec-fake-part3' is version 0.1.*pins 'semspec-fake-part3==0.2'"
+    ):
+        join_parts(reqs, "data/part*.bin", tmp_path / "m.gguf", WHOLE)
+
+
+def test_corrupt_part_is_named_from_its_record(site, tmp_path):
+    parts = _install(site)
+    parts[1].write_bytes(b"x" * 777)  # same size, other bytes than RECORD says
+    with pytest.raises(
+        ValueError, match=r"do not match their package's RECORD: \['semspec-fake-part2==0.1'\]"
+    ):
+        join_parts(REQS, "data/part*.bin", tmp_path / "m.gguf", WHOLE)
+
+
+def test_spec_parts_source_resolves_to_the_cache_and_reports_missing(site):
+    spec = ModelSpec(
+        model_id="org/fake:Q4", source="parts", packages=REQS, gguf_file="fake.gguf", sha256=WHOLE
+    )
+    assert unavailable_reason(spec) is not None  # nothing installed yet
+    _install(site)
+    assert unavailable_reason(spec) is None
+    folder = Path(resolve_spec(spec))
+    assert (folder / "fake.gguf").read_bytes() == b"".join(CHUNKS)
+
+
+def test_spec_validates_parts_fields():
+    base = {"model_id": "m", "source": "parts", "gguf_file": "m.gguf", "sha256": WHOLE}
+    with pytest.raises(ValueError, match="'packages'"):
+        ModelSpec(**base)
+    with pytest.raises(ValueError, match="pin each package"):
+        ModelSpec(**base, packages=["unpinned-part1"])
+    with pytest.raises(ValueError, match="'sha256'"):
+        ModelSpec(**{**base, "sha256": None}, packages=REQS)
+    with pytest.raises(ValueError, match="'sha256' must be 64 hex"):
+        ModelSpec(**{**base, "sha256": "abc"}, packages=REQS)
+    with pytest.raises(ValueError, match="'packages' is only meaningful"):
+        ModelSpec(model_id="m", source="hub", packages=REQS)
+
+
+def test_verify_sha256_refuses_a_changed_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "w.gguf"
+    f.write_bytes(b"weights")
+    good = hashlib.sha256(b"weights").hexdigest()
+    verify_sha256(f, good, "w")  # verified and stamped
+    f.write_bytes(b"weightz")  # same size, new mtime: hashed again
+    with pytest.raises(ValueError, match=r"sha256 of .* is .*pins"):
+        verify_sha256(f, good, "w")
