@@ -165,7 +165,7 @@ class EvaluateConfig:
         default_factory=lambda: {"arith": 4, "math500": 2}
     )  # name -> problems (0: all)
     methods: list[str] = field(
-        default_factory=lambda: ["target", "draft", "specsampling", "specreason", "semanticspec"]
+        default_factory=lambda: ["target", "draft", "specsampling", "assisted", "specreason", "semanticspec"]
     )
     probe_variants: list[str] = field(
         default_factory=lambda: ["random", "last", "all", "mix"]
@@ -176,6 +176,7 @@ class EvaluateConfig:
     gamma: int = 1
     min_ratio: float | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
+    levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
 
     def __post_init__(self) -> None:
         bad = set(self.benchmarks) - set(EVAL_BENCHMARKS)
@@ -192,6 +193,12 @@ class EvaluateConfig:
         if not self.seeds:
             raise ValueError("evaluate: field 'seeds' needs at least one seed")
         _positive("evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma)
+        if self.levels is not None and (
+            not self.levels or any(not isinstance(v, int) or not 1 <= v <= 5 for v in self.levels)
+        ):
+            raise ValueError(
+                f"evaluate: field 'levels' must list levels 1..5 (or be null), got {self.levels!r}"
+            )
 
     def method_labels(self) -> list[str]:
         """One label per evaluated decoder: semanticspec expands to semanticspec-<variant>."""

@@ -38,14 +38,25 @@ from tasks.io import config_hash, write_json_atomic
 log = logging.getLogger(__name__)
 
 
-def eval_problems(name: str, count: int, seed: int, data_dir: str | None = None) -> list[Problem]:
-    """``count`` problems of a benchmark (0: all), a seeded subset; ``arith`` is the generated test split."""
+def eval_problems(
+    name: str, count: int, seed: int, data_dir: str | None = None, levels: list[int] | None = None
+) -> list[Problem]:
+    """``count`` problems of a benchmark (0: all), a seeded subset; ``arith`` is the generated test split.
+    ``levels`` keeps only problems of those difficulty levels where a benchmark has levels (MATH-500)."""
     if name == "arith":
         return generate_arith(count or 50, "test", seed=seed)
     problems = load_source(name, data_dir=data_dir)
+    if levels and any(p.meta.get("level") is not None for p in problems):
+        problems = [p for p in problems if _level(p.meta.get("level")) in levels]
     if count and count < len(problems):
         problems = random.Random(f"{seed}:{name}").sample(problems, count)
     return problems
+
+
+def _level(v: object) -> int | None:
+    """A level as an int (MATH-500 stores 3 or "Level 3")."""
+    digits = "".join(c for c in str(v) if c.isdigit())
+    return int(digits) if digits else None
 
 
 def _decoders(
@@ -180,6 +191,16 @@ def problem_row(
     }
 
 
+_SELECTION = (
+    "benchmarks",
+    "methods",
+    "probe_variants",
+    "seeds",
+    "subset_seed",
+    "levels",
+)  # which rows, not how
+
+
 def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> str:
     """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file
     and, for SemanticSpec, the probe versions. Rows with another key are stale and decoded again."""
@@ -236,7 +257,7 @@ def run_evaluate(
     problems, skipped = {}, {}
     for b, n in cfg.benchmarks.items():
         try:
-            problems[b] = eval_problems(b, n, cfg.subset_seed, data_dir)
+            problems[b] = eval_problems(b, n, cfg.subset_seed, data_dir, cfg.levels)
         except ValueError as e:  # a benchmark that is neither local nor reachable: say so, evaluate the rest
             log.warning("evaluate: skipping %s: %s", b, e)
             skipped[b] = str(e)

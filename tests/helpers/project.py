@@ -24,8 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def copy_project(dest: Path, profile: str = "tiny") -> Path:
-    """Copy the pipeline into ``dest`` with ``profile`` as params.yaml's profile; a DVC repo without git."""
+def copy_project(dest: Path, profile: str = "tiny", pair: str = "embedded") -> Path:
+    """Copy the pipeline into ``dest`` with ``pair`` and ``profile`` as params.yaml's; a DVC repo without git."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         src = ROOT / name
@@ -35,6 +35,7 @@ def copy_project(dest: Path, profile: str = "tiny") -> Path:
             shutil.copy2(src, dest / name)
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["profile"] = profile
+    params["pair"] = pair
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run([BIN / "dvc", "init", "--no-scm", "-q"], cwd=dest, check=True)
     subprocess.run([BIN / "dvc", "config", "core.analytics", "false"], cwd=dest, check=True)

@@ -99,3 +99,30 @@ def test_speculative_sampling_arguments(models):
         speculative_sample(draft, target, PROMPT, max_new_tokens=2, lookahead=0)
     out, stats = speculative_sample(draft, target, PROMPT, max_new_tokens=7, lookahead=3)
     assert len(out) == 7 and stats["target_passes"] >= 3
+
+
+def test_greedy_speculation_is_the_target_token_for_token():
+    from models.decoding import DecodeSettings, SingleModelDecoder, TokenSpecDecoder
+    from tests.helpers.tiny import tiny_lm
+
+    # one character vocabulary; the draft is the target with a noisy output head: right on some tokens only
+    draft, target = tiny_lm(seed=1), tiny_lm(seed=1)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head = draft.model.lm_head.weight
+        head.add_(torch.randn_like(head) * head.std() * 0.4)
+    settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0)
+    for question in ("What is 2 + 3?", "Name a colour."):
+        ref = SingleModelDecoder(target, settings, "target").decode(question)
+        res = TokenSpecDecoder(draft, target, settings, lookahead=3).decode(question)
+        assert res.method == "specsampling"
+        assert res.text == ref.text and res.output_tokens == ref.output_tokens
+        assert 0 < res.extra["accepted"] < res.extra["proposed"], "needs accepted and rejected proposals"
+
+
+def test_token_speculation_refuses_two_vocabularies():
+    from models.decoding import DecodeSettings, MethodNotApplicable, TokenSpecDecoder
+    from tests.helpers.tiny import tiny_lm
+
+    with pytest.raises(MethodNotApplicable, match="different tokenizers"):
+        TokenSpecDecoder(tiny_lm(merged=True), tiny_lm(merged=False, seed=1), DecodeSettings())

@@ -10,17 +10,30 @@ from tasks.config import load_params
 
 def test_default_params_are_the_demo_profile():
     p = load_params()
-    assert p.pair == "embedded" and p.profile == "demo"
-    assert p.sample.n == 12 and p.sample.max_step_tokens is None  # the pair's budget, as in decoding
+    assert p.pair == "qwen-coder" and p.profile == "demo"
+    assert p.sample.n == 8 and p.sample.max_step_tokens is None  # the pair's budget, as in decoding
     pair = load_pair(p.pair)
-    assert pair.draft.max_step_tokens == pair.target.max_step_tokens == 40
-    assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 20
+    assert pair.draft.max_step_tokens == pair.target.max_step_tokens == 48
+    assert pair.draft.dtype == pair.target.dtype == "bfloat16"
+    assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 16
+    assert p.evaluate.max_new_tokens >= 150 and "specsampling" in p.evaluate.methods
     assert p.retrain.cron == "0 3 * * 1" and p.retrain.stages[0] == "ingest"
     assert p.train.variants == ["last", "all", "mix", "random"]
     assert p.train.hidden("target") == [2048, 512] and p.train.hidden("draft") == [512, 256]
 
 
+def test_every_pair_runs_in_bfloat16():
+    from models.spec import list_pairs
+
+    for name in list_pairs():
+        pair = load_pair(name)
+        assert pair.draft.dtype == pair.target.dtype == "bfloat16", name
+
+
 def test_profiles_and_overrides():
+    acc = load_params(profile="accuracy")
+    assert set(acc.evaluate.benchmarks) == {"arith", "math500", "aime24", "amc23", "gpqa"}
+    assert acc.evaluate.max_new_tokens == 512 and acc.evaluate.levels == [1, 2]
     paper = load_params(profile="paper")
     assert paper.ingest.source == "s1k" and paper.sample.max_step_tokens is None and paper.sample.n == 20
     tiny = load_params(profile="tiny", overrides=["sample.n=3", "train.variants=[all, random]"])

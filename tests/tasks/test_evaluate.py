@@ -1,0 +1,101 @@
+"""The evaluate stage's arithmetic (both speed-ups, paired bootstrap) on hand-made rows, skipping a method
+that cannot run on the pair, and resuming per problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.decoding import SingleModelDecoder
+from models.spec import ModelSpec, PairConfig
+from tasks.config import EvaluateConfig
+from tasks.evaluate import bootstrap_pass, run_evaluate, summarize_rows
+from tests.helpers.tiny import tiny_lm
+
+
+def _row(qid: str, latency: float, tokens: int, correct: bool, seed: int = 0) -> dict:
+    return {
+        "question_id": qid,
+        "seed": seed,
+        "correct": correct,
+        "latency_s": latency,
+        "output_tokens": tokens,
+        "target_share": 1.0,
+        "acceptance_rate": None,
+    }
+
+
+def test_both_speedups_on_hand_made_rows():
+    target = [_row("a", 10.0, 100, True), _row("b", 30.0, 100, False)]
+    # faster per problem (2x by mean latency) but with shorter outputs: per token only 1.6x
+    method = [_row("a", 4.0, 50, True), _row("b", 16.0, 200, True), _row("c", 99.0, 1, True)]
+    m = summarize_rows(method, target)
+    assert m["speedup_latency"] == pytest.approx((10 + 30) / (4 + 16))  # problem c has no target row
+    assert m["speedup_per_token"] == pytest.approx((40 / 200) / (20 / 250))
+    assert m["n"] == 3 and m["latency_s"] == pytest.approx((4 + 16 + 99) / 3)
+    assert m["delta_vs_target"] == pytest.approx(1.0 - 0.5)
+    t = summarize_rows(target, target)
+    assert t["speedup_latency"] == pytest.approx(1.0) and t["speedup_per_token"] == pytest.approx(1.0)
+    assert t["delta_vs_target_ci95"] == [0.0, 0.0]
+    assert summarize_rows(method)["speedup_latency"] is None  # no target in the run
+
+
+def test_paired_bootstrap_interval():
+    base = [True, False] * 20
+    better = [True] * 40
+    out = bootstrap_pass(better, base)
+    lo, hi = out["delta_vs_target_ci95"]
+    assert out["delta_vs_target"] == pytest.approx(0.5) and 0.3 < lo < 0.5 < hi <= 0.7
+    lo, hi = out["pass@1_ci95"]
+    assert lo == hi == 1.0
+    same = bootstrap_pass(base, base)
+    assert (
+        same["delta_vs_target_ci95"] == [0.0, 0.0] and same["pass@1_ci95"][0] < 0.5 < same["pass@1_ci95"][1]
+    )
+    assert bootstrap_pass([True])["pass@1_ci95"] is None
+    with pytest.raises(ValueError, match="same problems"):
+        bootstrap_pass([True, False], [True])
+
+
+def _pair() -> PairConfig:
+    spec = {"source": "local", "path": "/nonexistent", "prompt": "plain"}
+    return PairConfig("tiny-eval", ModelSpec("tiny-d", **spec), ModelSpec("tiny-t", **spec))
+
+
+def test_specsampling_is_skipped_across_vocabularies_with_the_reason(tmp_path):
+    lms = {"draft": tiny_lm(merged=True, max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "specsampling"], max_new_tokens=8)
+    res = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
+    assert list(res["arith"]) == ["target"]
+    assert "different tokenizers" in res["_skipped_methods"]["specsampling"]
+    assert res["_models"]["target"]["dtype"] == "float32"
+    assert not (tmp_path / "arith" / "specsampling.jsonl").exists()
+
+
+def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    cfg = EvaluateConfig(
+        benchmarks={"arith": 3}, methods=["target", "draft", "specsampling"], max_new_tokens=8
+    )
+    first = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
+    path = tmp_path / "arith" / "draft.jsonl"
+    rows = path.read_text().splitlines()
+    # a crash after the first problem of `draft`: one row kept, and half a line
+    path.write_text(rows[0] + "\n" + rows[1][:20])
+    calls = []
+    real = SingleModelDecoder.decode
+    monkeypatch.setattr(
+        SingleModelDecoder, "decode", lambda self, q, on_step=None: calls.append(self.role) or real(self, q)
+    )
+    again = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
+    assert calls == ["draft", "draft"], "only the two lost draft problems are decoded again"
+    assert len(path.read_text().splitlines()) == 3
+    assert again["arith"]["draft"]["pass@1"] == first["arith"]["draft"]["pass@1"]
+    # other settings: the old rows are stale and every problem is decoded again
+    calls.clear()
+    cfg2 = EvaluateConfig(benchmarks={"arith": 3}, methods=["target", "draft"], max_new_tokens=6)
+    run_evaluate(cfg2, _pair(), tmp_path, lms=lms, log_mlflow=False)
+    assert sorted(calls) == ["draft"] * 3 + ["target"] * 3
+    keys = {json.loads(line)["run_key"] for line in path.read_text().splitlines()}
+    assert len(keys) == 1
