@@ -29,7 +29,10 @@ pairs_app = typer.Typer(help="Model pairs and the state of their probes.", no_ar
 app.add_typer(pairs_app, name="pairs")
 
 PairOpt = Annotated[
-    str, typer.Option("--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path.")
+    str | None,
+    typer.Option(
+        "--pair", "-p", help="Model pair: a name in conf/pairs/ or a YAML path (default: params.yaml's)."
+    ),
 ]
 
 CHECK_QUESTION = (
@@ -37,6 +40,13 @@ CHECK_QUESTION = (
     "How much does Tom spend in total?"
 )
 CHECK_STEP = "First, 12 pencils at 3 for $1 means 12 / 3 = 4 groups, so the pencils cost $4.\n\n"
+
+
+def _default_pair() -> str:
+    """params.yaml's pair (the one the main job runs)."""
+    from tasks.config import load_params
+
+    return _or_exit(load_params).pair
 
 
 @app.callback()
@@ -97,14 +107,14 @@ def models_install(
 
 @models_app.command("check")
 def models_check(
-    pair: PairOpt = "embedded",
+    pair: PairOpt = None,
     tokens: Annotated[int, typer.Option(help="Tokens to decode when timing.")] = 24,
 ) -> None:
     """Load both models of a pair, print their shapes and speeds, and generate one step with each."""
     from models.lm import load_lm
     from models.spec import load_pair
 
-    cfg = _or_exit(load_pair, pair)
+    cfg = _or_exit(load_pair, pair or _default_pair())
     for role in ("draft", "target"):
         spec = cfg.role(role)
         typer.echo(f"[{role}] loading {spec.model_id} ...")
@@ -153,7 +163,7 @@ def data_check(
 
 @judge_app.command("calibrate")
 def judge_calibrate(
-    pair: PairOpt = "embedded",
+    pair: PairOpt = None,
     pairs_file: Annotated[
         str, typer.Option(help="YAML of labelled step pairs.")
     ] = "conf/judges/calibration.yaml",
@@ -164,7 +174,7 @@ def judge_calibrate(
     from models.judges import EmbeddingJudge, calibrate, load_judge
     from models.spec import load_pair
 
-    cfg = _or_exit(load_pair, pair)
+    cfg = _or_exit(load_pair, pair or _default_pair())
     if cfg.judge.kind != "embedding":
         typer.echo(
             f"error: pair {cfg.name} uses a '{cfg.judge.kind}' judge; calibration is for embedding judges",
@@ -332,7 +342,7 @@ def train(
 @app.command()
 def decode(
     question: Annotated[str, typer.Argument(help="The question to answer.")],
-    pair: PairOpt = "embedded",
+    pair: PairOpt = None,
     method: Annotated[
         str, typer.Option(help="target, draft, semanticspec, specsampling, assisted or specreason.")
     ] = "semanticspec",
@@ -355,7 +365,7 @@ def decode(
 
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
-    cfg = _or_exit(load_pair, pair)
+    cfg = _or_exit(load_pair, pair or _default_pair())
     settings = _or_exit(
         lambda: DecodeSettings(max_new_tokens=max_new_tokens, temperature=temperature, gamma=gamma, seed=seed)
     )
@@ -418,10 +428,13 @@ def evaluate(
 
 @app.command()
 def bench(
-    pair: PairOpt = "embedded",
+    pair: PairOpt = None,
     n: Annotated[int, typer.Option(help="Questions (arithmetic test split).")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Output budget per question.")] = 96,
     assisted: Annotated[bool, typer.Option(help="Include transformers' assisted generation.")] = True,
+    probe: Annotated[
+        list[str] | None, typer.Option(help="Probe variants for SemanticSpec (repeat; default: all four).")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
@@ -433,9 +446,17 @@ def bench(
     from models.spec import load_pair
     from tasks.bench import format_bench, run_bench
 
-    cfg = _or_exit(load_pair, pair)
+    cfg = _or_exit(load_pair, pair or _default_pair())
     lms = {r: load_lm(cfg.role(r)) for r in ("draft", "target")}
-    summary = _or_exit(run_bench, cfg, lms, n, DecodeSettings(max_new_tokens=max_new_tokens), 0, assisted)
+    from tasks.decode import PROBE_VARIANTS
+
+    variants = tuple(probe or PROBE_VARIANTS)
+    if bad := set(variants) - set(PROBE_VARIANTS):
+        raise typer.BadParameter(
+            f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
+        )
+    settings = DecodeSettings(max_new_tokens=max_new_tokens)
+    summary = _or_exit(run_bench, cfg, lms, n, settings, 0, assisted, variants)
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 
 

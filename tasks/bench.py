@@ -18,7 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def bench_methods(
-    pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, with_assisted: bool = True
+    pair: PairConfig,
+    lms: dict[str, LM],
+    settings: DecodeSettings,
+    with_assisted: bool = True,
+    variants: tuple[str, ...] = PROBE_VARIANTS,
 ) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """(label, decoder) for target, token-level speculative sampling (one vocabulary only), transformers'
     assisted generation and SemanticSpec with every registered probe; and the labels skipped, with why."""
@@ -30,7 +34,7 @@ def bench_methods(
         skipped["specsampling"] = str(e)
     if with_assisted:
         out.append(("assisted", build_decoder("assisted", pair, lms, settings)))
-    for v in PROBE_VARIANTS:
+    for v in variants:
         try:
             out.append((f"semanticspec-{v}", build_decoder("semanticspec", pair, lms, settings, v)))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
@@ -80,11 +84,12 @@ def run_bench(
     settings: DecodeSettings,
     seed: int = 0,
     with_assisted: bool = True,
+    variants: tuple[str, ...] = PROBE_VARIANTS,
 ) -> dict[str, dict[str, Any]]:
     """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    methods, skipped = bench_methods(pair, lms, settings, with_assisted)
+    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:

@@ -79,6 +79,12 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
         benchmarks={"arith": 3}, methods=["target", "draft", "specsampling"], max_new_tokens=8
     )
     first = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
+    spec = first["arith"]["specsampling"]  # one vocabulary: the Leviathan decoder runs
+    assert spec["n"] == 3 and spec["speedup_latency"] > 0 and "_skipped_methods" not in first
+    # greedy token-level speculation writes exactly the target's text
+    target_rows = (tmp_path / "arith" / "target.jsonl").read_text().splitlines()
+    spec_rows = (tmp_path / "arith" / "specsampling.jsonl").read_text().splitlines()
+    assert [json.loads(r)["text"] for r in spec_rows] == [json.loads(r)["text"] for r in target_rows]
     path = tmp_path / "arith" / "draft.jsonl"
     rows = path.read_text().splitlines()
     # a crash after the first problem of `draft`: one row kept, and half a line
@@ -99,3 +105,19 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
     assert sorted(calls) == ["draft"] * 3 + ["target"] * 3
     keys = {json.loads(line)["run_key"] for line in path.read_text().splitlines()}
     assert len(keys) == 1
+
+
+def test_bench_runs_token_speculation_or_says_why_not():
+    from models.decoding import DecodeSettings
+    from tasks.bench import format_bench, run_bench
+
+    settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
+    same = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    out = run_bench(_pair(), same, 2, settings, with_assisted=False, variants=())
+    assert set(out) == {"target", "specsampling", "_models"}
+    assert out["specsampling"]["token_acceptance"] is not None and out["specsampling"]["speedup_latency"] > 0
+    assert out["target"]["speedup_latency"] == pytest.approx(1.0)
+    assert "x latency" in format_bench(out) and "float32" in format_bench(out)
+    other = {"draft": tiny_lm(merged=True, max_step_tokens=4), "target": same["target"]}
+    out = run_bench(_pair(), other, 1, settings, with_assisted=False, variants=())
+    assert "specsampling" not in out and "different tokenizers" in out["_skipped"]["specsampling"]

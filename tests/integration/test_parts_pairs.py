@@ -1,0 +1,29 @@
+"""The reasoning pairs' real part packages (installed by scripts/setup): joined in order into the cache, the
+sha256 pinned in the pair file checked, shared weights joined once; GGUF headers name the right models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.spec import load_pair
+from models.weights import parts_missing, resolve_spec
+
+pytestmark = pytest.mark.embedded
+
+
+@pytest.mark.parametrize("role, name", [("draft", "Qwen2.5 Coder 0.5B"), ("target", "Qwen2.5 Coder 1.5B")])
+def test_qwen_parts_join_to_the_pinned_file(role, name):
+    spec = load_pair("qwen-coder").role(role)
+    assert parts_missing(spec.packages) == [], "scripts/setup installs every part package"
+    path = Path(resolve_spec(spec)) / spec.gguf_file  # joins (or reuses) and checks the sha256
+    from gguf import GGUFReader
+
+    meta = GGUFReader(path).fields["general.name"]
+    assert name.lower() in bytes(meta.parts[meta.data[0]]).decode().lower()
+
+
+def test_smollm_qwen_shares_the_target_file():
+    a, b = load_pair("smollm-qwen").target, load_pair("qwen-coder").target
+    assert resolve_spec(a) == resolve_spec(b)
