@@ -516,17 +516,25 @@ def speculative_sample(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     eos_ids: set[int] | None = None,
+    adaptive: bool = True,
+    max_lookahead: int = 16,
 ) -> tuple[list[int], dict[str, int]]:
     """Token-level speculative sampling (Leviathan et al. 2023) for two models sharing a vocabulary.
 
     The output is distributed exactly as sampling from the target at ``temperature``; with
     ``temperature == 0`` it is the target's greedy output, token for token (a proposal is kept when it is
-    the target's argmax). Returns the new ids and counts (proposed, accepted, target forward passes).
+    the target's argmax). One target forward per round: the token the last round added (correction or
+    bonus) is fed together with the next proposals. With ``adaptive`` the lookahead follows transformers'
+    heuristic schedule (+2 after a fully accepted round, -1 otherwise, within 1..``max_lookahead``); it
+    depends only on past rounds, so the output distribution stays exact. Returns the new ids and counts
+    (proposed, accepted, target forward passes).
     """
     from transformers.cache_utils import DynamicCache
 
-    if lookahead < 1 or max_new_tokens < 1 or temperature < 0:
-        raise ValueError("lookahead and max_new_tokens must be >= 1 and temperature >= 0")
+    if lookahead < 1 or max_new_tokens < 1 or temperature < 0 or max_lookahead < lookahead:
+        raise ValueError("lookahead, max_new_tokens >= 1, max_lookahead >= lookahead and temperature >= 0")
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
     greedy = temperature == 0
     gen = generator or torch.Generator().manual_seed(0)
     eos_ids = eos_ids or set()
@@ -542,28 +550,34 @@ def speculative_sample(
     def run(model, ids: list[int], cache, keep: int = 1) -> torch.Tensor:  # ids (T,) -> logits (keep, V)
         return model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 
+    # invariant: the target cache holds committed[:-1]; the draft cache holds committed[:d_len]
+    committed = list(prompt_ids)
+    n_prompt = len(committed)
     dcache, tcache = DynamicCache(config=draft_model.config), DynamicCache(config=target_model.config)
-    d_last = run(draft_model, prompt_ids, dcache)[-1]  # (V,)
-    t_last = run(target_model, prompt_ids, tcache)[-1]  # (V,)
-    out: list[int] = []
-    stats = {"proposed": 0, "accepted": 0, "target_passes": 1}
-    while len(out) < max_new_tokens:
-        k = min(lookahead, max_new_tokens - len(out))
-        # 1. the draft proposes k tokens, keeping each proposal distribution q_i
-        xs, qs, logits = [], [], d_last
-        for _ in range(k):
+    if n_prompt > 1:
+        run(target_model, committed[:-1], tcache)
+    d_len = 0
+    stats = {"proposed": 0, "accepted": 0, "target_passes": 0}
+    k_next = lookahead
+    while len(committed) - n_prompt < max_new_tokens:
+        k = min(k_next, max_new_tokens - (len(committed) - n_prompt))
+        base = len(committed)
+        # 1. the draft catches up on the committed tokens and proposes up to k, keeping each q_i
+        logits = run(draft_model, committed[d_len:], dcache)[-1]  # (V,)
+        xs, qs = [], []
+        for i in range(k):
             q = probs(logits)
-            x = pick(q)
-            xs.append(x)
+            xs.append(pick(q))
             qs.append(q)
-            logits = run(draft_model, [x], dcache)[-1]
-            if x in eos_ids:
+            if xs[-1] in eos_ids or i == k - 1:
                 break
+            logits = run(draft_model, [xs[-1]], dcache)[-1]
+        d_len = base + len(xs) - 1  # the last proposal was never fed to the draft
         k = len(xs)
-        # 2. one target pass scores every proposal: p_0 from the cache, p_1..p_k from the pass
-        t_logits = run(target_model, xs, tcache, keep=k)  # (k, V)
+        # 2. one target pass over [last committed token, x_0 .. x_{k-1}] gives p_0 .. p_k
+        t_logits = run(target_model, [committed[-1], *xs], tcache, keep=k + 1)  # (k+1, V)
         stats["target_passes"] += 1
-        ps = [probs(t_last)] + [probs(t_logits[i]) for i in range(k)]
+        ps = [probs(t_logits[i]) for i in range(k + 1)]
         # 3. accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on rejection resample from (p - q)+
         n_ok, new = 0, None
         for i, x in enumerate(xs):
@@ -578,19 +592,21 @@ def speculative_sample(
             new = pick(ps[k])
         stats["proposed"] += k
         stats["accepted"] += n_ok
-        # 4. keep the accepted prefix in both caches, then feed the corrected / bonus token
-        drop = k - n_ok
-        if drop:
-            tcache.crop(-drop)
-            dcache.crop(-drop)
-        out.extend(xs[:n_ok])
-        if len(out) >= max_new_tokens or any(t in eos_ids for t in xs[:n_ok]):
+        if adaptive:
+            k_next = min(max_lookahead, k_next + 2) if n_ok == k else max(1, k_next - 1)
+        # 4. keep the accepted prefix in both caches; `new` is fed with the next round
+        if k - n_ok:
+            tcache.crop(-(k - n_ok))  # target cache: committed + x_0 .. x_{n_ok-1}
+        if d_len > base + n_ok:
+            dcache.crop(-(d_len - base - n_ok))
+            d_len = base + n_ok
+        committed += xs[:n_ok]
+        if any(t in eos_ids for t in xs[:n_ok]) or len(committed) - n_prompt >= max_new_tokens:
             break
-        out.append(new)
-        if new in eos_ids or len(out) >= max_new_tokens:
+        committed.append(new)
+        if new in eos_ids:
             break
-        t_last = run(target_model, [new], tcache)[-1]
-        d_last = run(draft_model, [new], dcache)[-1]
+    out = committed[n_prompt:]
     for i, t in enumerate(out):  # stop at the first EOS
         if t in eos_ids:
             out = out[: i + 1]
