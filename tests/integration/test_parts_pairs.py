@@ -27,3 +27,8 @@ def test_qwen_parts_join_to_the_pinned_file(role, name):
 def test_smollm_qwen_shares_the_target_file():
     a, b = load_pair("smollm-qwen").target, load_pair("qwen-coder").target
     assert resolve_spec(a) == resolve_spec(b)
+
+
+def test_embedded_target_file_matches_its_pin():
+    spec = load_pair("embedded").target
+    assert spec.sha256 and (Path(resolve_spec(spec)) / spec.gguf_file).stat().st_size == 253_113_024
