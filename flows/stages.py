@@ -26,12 +26,13 @@ from pathlib import Path
 
 import yaml
 
-from flows.env import with_venv_path
-from models.spec import project_root
+from semspec.flows.env import with_venv_path
+from semspec.models.names import STAGES
+from semspec.models.project import project_root
+from semspec.tasks.config import read_params_file
 
 log = logging.getLogger(__name__)
 
-STAGES = ("ingest", "sample", "cluster", "train", "evaluate")
 _VAR = re.compile(r"\$\{(\w+)\}")
 
 
@@ -53,8 +54,7 @@ class StageRun:
 
 def tracked_config(root: Path | None = None) -> tuple[str, str]:
     """The (pair, profile) that ``params.yaml`` names, i.e. what ``dvc.lock`` records."""
-    path = (root or project_root()) / "params.yaml"
-    raw = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+    raw = read_params_file((root or project_root()) / "params.yaml")
     return str(raw.get("pair", "embedded")), str(raw.get("profile", "demo"))
 
 
@@ -103,16 +103,23 @@ def stage_files(stage: str, kind: str, pair: str, profile: str, root: Path | Non
     return [root / _fill(n, pair, profile, f"{path}: stage {stage}") for n in names]
 
 
-def plan_stage(
-    stage: str,
-    pair: str,
-    profile: str,
-    overrides: list[str] | None = None,
-    force: bool = False,
-    root: Path | None = None,
-) -> tuple[str, list[str]]:
+@dataclass(frozen=True)
+class StageRequest:
+    """One stage to run: for a pair and profile, with ``section.key=value`` overrides; ``force`` reruns
+    it under DVC even when nothing changed; ``root`` is the project (default: this one)."""
+
+    stage: str
+    pair: str
+    profile: str
+    overrides: tuple[str, ...] = ()
+    force: bool = False
+    root: Path | None = None
+
+
+def plan_stage(req: StageRequest) -> tuple[str, list[str]]:
     """(mode, argv) for one stage run: ``dvc repro`` for the tracked configuration, else the command."""
-    root = root or project_root()
+    stage, pair, profile, overrides, force = req.stage, req.pair, req.profile, req.overrides, req.force
+    root = req.root or project_root()
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     if (pair, profile) == tracked_config(root) and not overrides and (root / ".dvc").is_dir():
@@ -132,20 +139,12 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def run_stage(
-    stage: str,
-    pair: str,
-    profile: str,
-    overrides: list[str] | None = None,
-    force: bool = False,
-    root: Path | None = None,
-    on_line: Callable[[str], None] = log.info,
-) -> StageRun:
+def run_stage(req: StageRequest, on_line: Callable[[str], None] = log.info) -> StageRun:
     """Run one stage (see the module doc), streaming its output lines to ``on_line``.
 
     Raises ``StageFailed`` (with the last output lines) when the command fails."""
-    root = root or project_root()
-    mode, argv = plan_stage(stage, pair, profile, overrides, force, root)
+    stage, pair, root = req.stage, req.pair, req.root or project_root()
+    mode, argv = plan_stage(req)
     command = shlex.join(argv)
     on_line(f"$ {command}")
     tail: deque[str] = deque(maxlen=40)

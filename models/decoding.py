@@ -20,13 +20,13 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from models.grading import extract_answer
-from models.lm import LM, LMState, Pooled
-
-METHODS = ("target", "draft", "semanticspec", "specsampling", "assisted", "specreason")
+from semspec.models.grading import extract_answer
+from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore
 
 
 class MethodNotApplicable(ValueError):
@@ -153,6 +153,16 @@ class DecodeResult:
         return d
 
 
+class Decoder(Protocol):
+    """What every decoder is: a method name and ``decode(question, on_step) -> DecodeResult``."""
+
+    method: str
+
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+        """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
+        ...
+
+
 class _Clock:
     """Adds the elapsed time of a ``with`` block to one field of a Timings."""
 
@@ -183,6 +193,46 @@ def _prefill_pair(draft: LM, target: LM, question: str, tm: Timings) -> tuple[LM
     return dstate, tstate
 
 
+def _step_budget(s: DecodeSettings, lm: LM, used: int) -> int:
+    """Tokens ``lm`` may spend on its next step: its step budget, capped by what is left of the output."""
+    return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
+
+
+def _target_rewrites(
+    draft: LM,
+    target: LM,
+    s: DecodeSettings,
+    res: DecodeResult,
+    states: tuple[Callable[[], LMState], LMState],
+    replay: list[str],
+    proposal: str,
+    budget: int,
+    seed: int,
+    **why: float | int | None,
+) -> tuple[LMState, LMState]:
+    """A rejected proposal: the target writes the step itself from its state before the proposal
+    (``states[1]``); the draft rolls back to its checkpoint (``states[0]``), re-reads the steps of the
+    round that were accepted (``replay``) and reads the target's step. The step goes into ``res`` with
+    ``why`` (p, q, u or a score); returns the (draft, target) states after it."""
+    d_restore, tstate = states
+    with _Clock(res.timings, "target"):
+        tstep, tstate = target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
+    with _Clock(res.timings, "draft"):
+        dstate = d_restore()
+        for text in replay:
+            dstate = draft.prefill(text, dstate)
+        before = len(dstate.ids)
+        if tstep.text:
+            dstate = draft.prefill(tstep.text, dstate)
+    res.add(
+        StepRecord("target", tstep.text, len(dstate.ids) - before, tstep.num_tokens, proposal=proposal, **why)
+    )
+    res.output_tokens += tstep.num_tokens
+    if tstep.finish_reason == "eos" or not tstep.text:
+        res.finish_reason = "eos"
+    return dstate, tstate
+
+
 class SingleModelDecoder:
     """``target`` or ``draft``: one model writes every step."""
 
@@ -205,7 +255,7 @@ class SingleModelDecoder:
             state = self.lm.prefill(self.lm.format_prompt(question))
         seed = s.seed
         while res.output_tokens < s.max_new_tokens:
-            budget = min(s.step_tokens or self.lm.spec.max_step_tokens, s.max_new_tokens - res.output_tokens)
+            budget = _step_budget(s, self.lm, res.output_tokens)
             with clock:
                 step, state = self.lm.decode_step(state, s.temperature, s.top_p, budget, seed)
             seed += 1
@@ -230,90 +280,99 @@ class SemanticSpecDecoder:
     def __init__(
         self, draft: LM, target: LM, q_probe: ProbeFn, p_probe: ProbeFn, settings: DecodeSettings
     ) -> None:
-        self.draft, self.target, self.q_probe, self.p_probe, self.settings = (
-            draft,
-            target,
-            q_probe,
-            p_probe,
-            settings,
-        )
-
-    def _budget(self, lm: LM, used: int) -> int:
-        s = self.settings
-        return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
+        self.draft, self.target, self.settings = draft, target, settings
+        self.q_probe, self.p_probe = q_probe, p_probe
 
     def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
-        """Draft, verify with the probes, rewrite rejected steps with the target."""
+        """Rounds of: the draft proposes up to gamma steps, the target verifies them in order with the
+        probes, the first rejected one is rewritten by the target."""
         s, t0 = self.settings, time.perf_counter()
         rng = random.Random(s.seed)
         res = DecodeResult(self.method, "", None, on_step=on_step)
-        tm = res.timings
-        dstate, tstate = _prefill_pair(self.draft, self.target, question, tm)
+        dstate, tstate = _prefill_pair(self.draft, self.target, question, res.timings)
         seed = s.seed
         while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
-            # 1. the draft proposes up to gamma steps, advancing its own cache
-            d_restore = dstate.checkpoint(s.gamma * self._budget(self.draft, 0) + 8)
-            proposals = []
-            with _Clock(tm, "draft"):
-                for _ in range(s.gamma):
-                    step, dstate = self.draft.decode_step(
-                        dstate, s.temperature, s.top_p, self._budget(self.draft, res.output_tokens), seed
-                    )
-                    seed += 1
-                    proposals.append(step)
-                    if step.finish_reason == "eos" or not step.text:
-                        break
-            # 2. the target verifies them in order; the first rejection ends the round
-            for i, step in enumerate(proposals):
-                t_restore = tstate.checkpoint(self._budget(self.target, 0) * 2 + 8)
-                with _Clock(tm, "probe"):
-                    q = self.q_probe(step.pooled)
-                if step.text:
-                    with _Clock(tm, "verify"):
-                        score = self.target.score_step(tstate, step.text, inplace=True, logprobs=False)
-                    res.target_prefill_tokens += len(score.token_ids)
-                    with _Clock(tm, "probe"):
-                        p = self.p_probe(score.pooled)
-                else:
-                    score, p = None, 0.0
-                u = rng.random()
-                ratio = p / q if q > 0 else float("inf")
-                accept = score is not None and u < min(1.0, ratio)
-                if accept and s.min_ratio is not None and ratio < s.min_ratio:
-                    accept = False
-                if accept:
-                    tstate = score.state
-                    res.add(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), p, q, u))
-                    res.output_tokens += len(score.token_ids)
-                    if step.finish_reason == "eos":
-                        res.finish_reason = "eos"
-                        break
-                    continue
-                # 3. rejected: crop the target back, let it write the step itself
-                tstate = t_restore()
-                with _Clock(tm, "target"):
-                    tstep, tstate = self.target.decode_step(
-                        tstate, s.temperature, s.top_p, self._budget(self.target, res.output_tokens), seed
-                    )
-                seed += 1
-                # 4. the draft rolls back to before this proposal and reads the target's step instead
-                with _Clock(tm, "draft"):
-                    dstate = d_restore()
-                    for prev in proposals[:i]:
-                        dstate = self.draft.prefill(prev.text, dstate)
-                    draft_ids = 0
-                    if tstep.text:
-                        before = len(dstate.ids)
-                        dstate = self.draft.prefill(tstep.text, dstate)
-                        draft_ids = len(dstate.ids) - before
-                res.add(
-                    StepRecord("target", tstep.text, draft_ids, tstep.num_tokens, p, q, u, proposal=step.text)
-                )
-                res.output_tokens += tstep.num_tokens
-                if tstep.finish_reason == "eos" or not tstep.text:
-                    res.finish_reason = "eos"
-                break
+            d_restore = dstate.checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8)
+            proposals, dstate = self._propose(dstate, res, seed)
+            seed += len(proposals)
+            dstate, tstate, seed = self._verify(proposals, (d_restore, dstate), tstate, res, rng, seed)
         return _finish(self.method, res, t0, s)
+
+    def _propose(self, dstate: LMState, res: DecodeResult, seed: int) -> tuple[list[StepSample], LMState]:
+        """Up to gamma draft steps (fewer after EOS or an empty step), advancing the draft's cache."""
+        s, proposals = self.settings, []
+        with _Clock(res.timings, "draft"):
+            for i in range(s.gamma):
+                budget = _step_budget(s, self.draft, res.output_tokens)
+                step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed + i)
+                proposals.append(step)
+                if step.finish_reason == "eos" or not step.text:
+                    break
+        return proposals, dstate
+
+    def _verify(
+        self,
+        proposals: list[StepSample],
+        draft_states: tuple[Callable[[], LMState], LMState],
+        tstate: LMState,
+        res: DecodeResult,
+        rng: random.Random,
+        seed: int,
+    ) -> tuple[LMState, LMState, int]:
+        """Verify ``proposals`` in order; the first rejection is rewritten by the target and ends the
+        round. Returns the (draft, target) states and the next seed."""
+        d_restore, dstate = draft_states
+        for i, step in enumerate(proposals):
+            t_restore = tstate.checkpoint(_step_budget(self.settings, self.target, 0) * 2 + 8)
+            score, why = self._judge(step, tstate, res, rng)
+            if score is not None:  # accepted: the target's cache already holds the step
+                tstate = score.state
+                res.add(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), **why))
+                res.output_tokens += len(score.token_ids)
+                if step.finish_reason == "eos":
+                    res.finish_reason = "eos"
+                    break
+                continue
+            budget = _step_budget(self.settings, self.target, res.output_tokens)
+            replay = [prev.text for prev in proposals[:i]]
+            dstate, tstate = _target_rewrites(
+                self.draft,
+                self.target,
+                self.settings,
+                res,
+                (d_restore, t_restore()),
+                replay,
+                step.text,
+                budget,
+                seed,
+                **why,
+            )
+            seed += 1
+            break
+        return dstate, tstate, seed
+
+    def _judge(
+        self, step: StepSample, tstate: LMState, res: DecodeResult, rng: random.Random
+    ) -> tuple[StepScore | None, dict[str, float]]:
+        """The target prefills the step on its cache (in place) and the probes give q and p; the step is
+        accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set). Returns the target's score
+        of the step when accepted (else None) and ``{p, q, u}``."""
+        s, tm = self.settings, res.timings
+        with _Clock(tm, "probe"):
+            q = self.q_probe(step.pooled)
+        score, p = None, 0.0
+        if step.text:
+            with _Clock(tm, "verify"):
+                score = self.target.score_step(tstate, step.text, inplace=True, logprobs=False)
+            res.target_prefill_tokens += len(score.token_ids)
+            with _Clock(tm, "probe"):
+                p = self.p_probe(score.pooled)
+        u = rng.random()
+        ratio = p / q if q > 0 else float("inf")
+        accept = score is not None and u < min(1.0, ratio)
+        if accept and s.min_ratio is not None and ratio < s.min_ratio:
+            accept = False
+        return (score if accept else None), {"p": p, "q": q, "u": u}
 
 
 VERIFY_PROMPT = "\n\nIs the previous step correct? Rate it from 0 (wrong) to 9 (certainly correct). Rating:"
@@ -350,53 +409,31 @@ class SpecReasonDecoder:
         tm = res.timings
         dstate, tstate = _prefill_pair(self.draft, self.target, question, tm)
         seed = s.seed
-        while res.output_tokens < s.max_new_tokens:
-            budget = min(
-                s.step_tokens or self.draft.spec.max_step_tokens, s.max_new_tokens - res.output_tokens
-            )
+        while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
+            budget = _step_budget(s, self.draft, res.output_tokens)
             d_restore = dstate.checkpoint(budget + 8)
             with _Clock(tm, "draft"):
                 step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed)
             seed += 1
+            score, k, t_restore = 0, 0, None
             if step.text:
                 t_restore = tstate.checkpoint(self.target.spec.max_step_tokens * 2 + 64)
                 with _Clock(tm, "verify"):
                     score, new_t, k = self.rate(tstate, step.text)
                 res.target_prefill_tokens += k
-            else:
-                score, k = 0, 0
             if step.text and score >= s.accept_threshold:
                 tstate = new_t
                 res.add(StepRecord("draft", step.text, step.num_tokens, k, score=score))
                 res.output_tokens += k
                 if step.finish_reason == "eos":
                     res.finish_reason = "eos"
-                    break
                 continue
-            if step.text:
+            if t_restore is not None:
                 tstate = t_restore()
-            with _Clock(tm, "target"):
-                tstep, tstate = self.target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
-            seed += 1
-            with _Clock(tm, "draft"):
-                dstate = d_restore()
-                before = len(dstate.ids)
-                if tstep.text:
-                    dstate = self.draft.prefill(tstep.text, dstate)
-            res.add(
-                StepRecord(
-                    "target",
-                    tstep.text,
-                    len(dstate.ids) - before,
-                    tstep.num_tokens,
-                    score=score,
-                    proposal=step.text,
-                )
+            dstate, tstate = _target_rewrites(
+                self.draft, self.target, s, res, (d_restore, tstate), [], step.text, budget, seed, score=score
             )
-            res.output_tokens += tstep.num_tokens
-            if tstep.finish_reason == "eos" or not tstep.text:
-                res.finish_reason = "eos"
-                break
+            seed += 1
         return _finish(self.method, res, t0, s)
 
 
@@ -506,6 +543,69 @@ class AssistedDecoder:
         return _finish(self.method, res, t0, s)
 
 
+class _TokenSampler:
+    """Distributions and draws for token-level speculation: one-hot argmax when greedy, else softmax at
+    ``temperature`` with draws from ``gen``."""
+
+    def __init__(self, temperature: float, gen: torch.Generator) -> None:
+        self.greedy, self.temperature, self.gen = temperature == 0, temperature, gen
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float64 distribution."""
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+        return torch.softmax(logits.double() / self.temperature, dim=-1)
+
+    def pick(self, p: torch.Tensor) -> int:
+        """A token drawn from ``p`` (V,) (its argmax when greedy)."""
+        return int(p.argmax()) if self.greedy else int(torch.multinomial(p.float(), 1, generator=self.gen))
+
+    def accepts(self, ratio: float) -> bool:
+        """Whether a proposal with ``p(x) / q(x) = ratio`` is kept."""
+        return ratio >= 1.0 or (not self.greedy and torch.rand(1, generator=self.gen).item() < ratio)
+
+
+def _logits(model, ids: list[int], cache: DynamicCache, keep: int = 1) -> torch.Tensor:
+    """Feed ``ids`` (T,) on ``cache``; the logits of the last ``keep`` positions (keep, V)."""
+    return model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+
+
+def _draft_tokens(
+    draft_model, pending: list[int], cache: DynamicCache, k: int, sampler: _TokenSampler, eos_ids: set[int]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The draft reads ``pending`` and proposes up to ``k`` tokens (stopping at EOS); returns them with
+    the distribution each was drawn from. The last proposal is not fed to the draft."""
+    logits = _logits(draft_model, pending, cache)[-1]  # (V,)
+    xs, qs = [], []
+    for i in range(k):
+        q = sampler.probs(logits)
+        xs.append(sampler.pick(q))
+        qs.append(q)
+        if xs[-1] in eos_ids or i == k - 1:
+            break
+        logits = _logits(draft_model, [xs[-1]], cache)[-1]
+    return xs, qs
+
+
+def _accept_prefix(
+    xs: list[int], qs: list[torch.Tensor], ps: list[torch.Tensor], sampler: _TokenSampler
+) -> tuple[int, int]:
+    """Leviathan's test: keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
+    draw the next token from (p_i - q_i)+, else the bonus token from p_k. Returns (kept, next token)."""
+    for i, x in enumerate(xs):
+        if not sampler.accepts(float(ps[i][x] / qs[i][x])):
+            resid = (ps[i] - qs[i]).clamp_min(0)
+            return i, sampler.pick(resid / resid.sum())
+    return len(xs), sampler.pick(ps[len(xs)])
+
+
+def _first_eos(out: list[int], eos_ids: set[int]) -> list[int]:
+    for i, t in enumerate(out):
+        if t in eos_ids:
+            return out[: i + 1]
+    return out
+
+
 @torch.inference_mode()
 def speculative_sample(
     draft_model,
@@ -529,72 +629,36 @@ def speculative_sample(
     depends only on past rounds, so the output distribution stays exact. Returns the new ids and counts
     (proposed, accepted, target forward passes).
     """
-    from transformers.cache_utils import DynamicCache
-
     if lookahead < 1 or max_new_tokens < 1 or temperature < 0 or max_lookahead < lookahead:
         raise ValueError("lookahead, max_new_tokens >= 1, max_lookahead >= lookahead and temperature >= 0")
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    greedy = temperature == 0
-    gen = generator or torch.Generator().manual_seed(0)
+    sampler = _TokenSampler(temperature, generator or torch.Generator().manual_seed(0))
     eos_ids = eos_ids or set()
-
-    def probs(logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> (..., V) float64
-        if greedy:  # the argmax as a one-hot distribution
-            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
-        return torch.softmax(logits.double() / temperature, dim=-1)
-
-    def pick(p: torch.Tensor) -> int:  # a token from distribution p (V,)
-        return int(p.argmax()) if greedy else int(torch.multinomial(p.float(), 1, generator=gen))
-
-    def run(model, ids: list[int], cache, keep: int = 1) -> torch.Tensor:  # ids (T,) -> logits (keep, V)
-        return model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
-
     # invariant: the target cache holds committed[:-1]; the draft cache holds committed[:d_len]
     committed = list(prompt_ids)
     n_prompt = len(committed)
     dcache, tcache = DynamicCache(config=draft_model.config), DynamicCache(config=target_model.config)
     if n_prompt > 1:
-        run(target_model, committed[:-1], tcache)
+        _logits(target_model, committed[:-1], tcache)
     d_len = 0
     stats = {"proposed": 0, "accepted": 0, "target_passes": 0}
     k_next = lookahead
     while len(committed) - n_prompt < max_new_tokens:
-        k = min(k_next, max_new_tokens - (len(committed) - n_prompt))
         base = len(committed)
-        # 1. the draft catches up on the committed tokens and proposes up to k, keeping each q_i
-        logits = run(draft_model, committed[d_len:], dcache)[-1]  # (V,)
-        xs, qs = [], []
-        for i in range(k):
-            q = probs(logits)
-            xs.append(pick(q))
-            qs.append(q)
-            if xs[-1] in eos_ids or i == k - 1:
-                break
-            logits = run(draft_model, [xs[-1]], dcache)[-1]
-        d_len = base + len(xs) - 1  # the last proposal was never fed to the draft
-        k = len(xs)
+        # 1. the draft catches up on the committed tokens and proposes up to k
+        k = min(k_next, max_new_tokens - (base - n_prompt))
+        xs, qs = _draft_tokens(draft_model, committed[d_len:], dcache, k, sampler, eos_ids)
+        d_len, k = base + len(xs) - 1, len(xs)
         # 2. one target pass over [last committed token, x_0 .. x_{k-1}] gives p_0 .. p_k
-        t_logits = run(target_model, [committed[-1], *xs], tcache, keep=k + 1)  # (k+1, V)
+        t_logits = _logits(target_model, [committed[-1], *xs], tcache, keep=k + 1)  # (k+1, V)
         stats["target_passes"] += 1
-        ps = [probs(t_logits[i]) for i in range(k + 1)]
-        # 3. accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on rejection resample from (p - q)+
-        n_ok, new = 0, None
-        for i, x in enumerate(xs):
-            ratio = float(ps[i][x] / qs[i][x])
-            if ratio >= 1.0 or (not greedy and torch.rand(1, generator=gen).item() < ratio):
-                n_ok += 1
-                continue
-            resid = (ps[i] - qs[i]).clamp_min(0)
-            new = pick(resid / resid.sum())
-            break
-        if new is None:
-            new = pick(ps[k])
+        n_ok, new = _accept_prefix(xs, qs, [sampler.probs(t_logits[i]) for i in range(k + 1)], sampler)
         stats["proposed"] += k
         stats["accepted"] += n_ok
         if adaptive:
             k_next = min(max_lookahead, k_next + 2) if n_ok == k else max(1, k_next - 1)
-        # 4. keep the accepted prefix in both caches; `new` is fed with the next round
+        # 3. keep the accepted prefix in both caches; `new` is fed with the next round
         if k - n_ok:
             tcache.crop(-(k - n_ok))  # target cache: committed + x_0 .. x_{n_ok-1}
         if d_len > base + n_ok:
@@ -606,9 +670,4 @@ def speculative_sample(
         committed.append(new)
         if new in eos_ids:
             break
-    out = committed[n_prompt:]
-    for i, t in enumerate(out):  # stop at the first EOS
-        if t in eos_ids:
-            out = out[: i + 1]
-            break
-    return out[:max_new_tokens], stats
+    return _first_eos(committed[n_prompt:], eos_ids)[:max_new_tokens], stats

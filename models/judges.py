@@ -17,10 +17,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+import yaml
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from models.spec import JudgeSpec
+from semspec.models.lm import pick_device
+from semspec.models.pair import JudgeSpec
+from semspec.models.weights import resolve_path
 
 
 def normalize_step(text: str) -> str:
@@ -176,6 +181,15 @@ class NLIJudge(Judge):
         )
 
 
+def load_labelled_pairs(path: Path) -> list[tuple[bool, str, str]]:
+    """Labelled step pairs ``(equivalent, a, b)`` from a calibration YAML (``pairs: [[true, a, b], ...]``)."""
+    try:
+        rows = (yaml.safe_load(path.read_text(encoding="utf-8")) or {})["pairs"]
+        return [(bool(x[0]), str(x[1]), str(x[2])) for x in rows]
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"{path}: expected `pairs: [[true|false, step, step], ...]` ({e})") from None
+
+
 def calibrate(
     judge: EmbeddingJudge, pairs: list[tuple[bool, str, str]], thresholds: list[float]
 ) -> list[dict]:
@@ -206,13 +220,10 @@ def calibrate(
 
 def load_judge(spec: JudgeSpec) -> Judge:
     """Build the judge a pair's config names (Hub id, local folder, or a package that ships it)."""
-    from models.lm import pick_device
-    from models.weights import resolve_path
-
     where = resolve_path(spec.source, spec.path)
     device = pick_device(spec.device)
     if spec.kind == "embedding":
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # heavy; NLI judges never need it
 
         st = SentenceTransformer(where, device=str(device), trust_remote_code=spec.trust_remote_code)
 
@@ -222,8 +233,6 @@ def load_judge(spec: JudgeSpec) -> Judge:
             ).cpu()
 
         return EmbeddingJudge(encode, spec.threshold, spec.numbers_must_match)
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=spec.trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
         where, trust_remote_code=spec.trust_remote_code

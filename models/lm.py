@@ -32,12 +32,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from models.spec import ModelSpec
-from models.weights import resolve_spec
+from semspec.models.pair import ModelSpec
+from semspec.models.weights import resolve_spec
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("delimiter", "eos", "length")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
 
 

@@ -117,9 +117,8 @@ class RandomProbe(nn.Module):
 
 
 def probe_input(probe: nn.Module, pooled) -> torch.Tensor:
-    """The probe's input built from a :class:`models.lm.Pooled` -> (1, D) or (1, L+1, D)."""
-    name = "mix" if getattr(probe, "feature", "all") == "mix" else probe.feature
-    return pooled.feature(name)[None]
+    """The probe's input built from a :class:`semspec.models.lm.Pooled` -> (1, D) or (1, L+1, D)."""
+    return pooled.feature(probe.feature)[None]
 
 
 @torch.inference_mode()

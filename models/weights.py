@@ -17,7 +17,11 @@ import logging
 import os
 from pathlib import Path, PurePosixPath
 
+import torch
+from huggingface_hub import try_to_load_from_cache
 from packaging.requirements import InvalidRequirement, Requirement
+
+from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ _CHUNK = 1 << 22  # 4 MiB per read while hashing / joining
 
 def cache_dir() -> Path:
     """Where assembled model files are kept (``SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``)."""
-    return Path(os.environ.get("SEMSPEC_CACHE_DIR", Path.home() / ".cache" / "semspec"))
+    return settings().cache_dir
 
 
 def parse_requirement(req: str, where: str = "packages") -> Requirement:
@@ -253,8 +257,6 @@ def unavailable_reason(spec, device: str | None = None) -> str | None:
     """Why a model could not be loaded here, without loading it (None when it can): a package or part
     that is not installed, a missing folder, a Hub model absent from the local cache while
     ``HF_HUB_OFFLINE`` is set, or a CUDA device on a machine without one."""
-    import torch
-
     source, path = spec.source, spec.path
     device = device or spec.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -268,11 +270,8 @@ def unavailable_reason(spec, device: str | None = None) -> str | None:
         )
     if source == "local":
         return None if Path(path).exists() else f"local model folder {path!r} does not exist"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(
-            try_to_load_from_cache(path, getattr(spec, "gguf_file", None) or "config.json"), str
-        ):
-            return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+    if settings().hub_offline and not isinstance(
+        try_to_load_from_cache(path, getattr(spec, "gguf_file", None) or "config.json"), str
+    ):
+        return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
     return None

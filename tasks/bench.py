@@ -8,11 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
-from models.lm import LM
-from models.spec import PairConfig
-from tasks.data import generate_arith
-from tasks.decode import PROBE_VARIANTS, build_decoder
+from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
+from semspec.models.lm import LM
+from semspec.models.names import PROBE_METHOD, PROBE_VARIANTS, method_label
+from semspec.models.pair import PairConfig
+from semspec.tasks.data import generate_arith
+from semspec.tasks.decoders import build_decoder
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ def bench_methods(
         out.append(("assisted", build_decoder("assisted", pair, lms, settings)))
     for v in variants:
         try:
-            out.append((f"semanticspec-{v}", build_decoder("semanticspec", pair, lms, settings, v)))
+            out.append((method_label(PROBE_METHOD, v), build_decoder(PROBE_METHOD, pair, lms, settings, v)))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
-            skipped[f"semanticspec-{v}"] = str(e)
+            skipped[method_label(PROBE_METHOD, v)] = str(e)
     for label, why in skipped.items():
         log.warning("bench: skipping %s: %s", label, why)
     return out, skipped

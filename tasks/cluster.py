@@ -19,10 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from models.judges import Judge, load_judge, semantic_entropy
-from models.spec import JudgeSpec, PairConfig
-from tasks.config import ClusterConfig
-from tasks.io import read_shards, write_parquet_atomic
+from semspec.models.judges import Judge, load_judge, semantic_entropy
+from semspec.models.pair import JudgeSpec, PairConfig
+from semspec.tasks.config import ClusterConfig, Params
+from semspec.tasks.io import read_shards, write_parquet_atomic
+from semspec.tasks.ray_utils import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,7 @@ def _labels_local(cfg, spec, work, total, judge) -> dict[str, list[dict[str, Any
 
 
 def _labels_ray(cfg, spec, work, total, judge) -> dict[str, list[dict[str, Any]]]:
-    import ray
-
-    from tasks.ray_utils import init_ray
+    import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
     actor = (
@@ -214,3 +213,9 @@ def _labels_ray(cfg, spec, work, total, judge) -> dict[str, list[dict[str, Any]]
     finally:
         ray.kill(actor)
     return out
+
+
+def stage(*, params: Params, pair: PairConfig, samples: Path, prefixes: Path, out: Path) -> str:
+    """Stage cluster (the CLI's and dvc.yaml's entry): samples -> ``out/<role>.parquet`` labels."""
+    paths = run_cluster(params.cluster, pair, samples, out, prefixes)
+    return "wrote " + ", ".join(str(f) for f in paths.values())

@@ -14,11 +14,10 @@ from typing import Any
 
 import yaml
 
-from models.decoding import METHODS
-from models.spec import from_mapping, project_root
+from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, ROLES, method_label
+from semspec.models.pair import from_mapping
+from semspec.models.project import project_root
 
-ROLES = ("draft", "target")
-VARIANTS = ("last", "all", "mix", "random")
 EXECUTORS = ("ray", "local")
 
 
@@ -111,7 +110,7 @@ class ClusterConfig:
 class TrainConfig:
     """Probe training (Lightning) and registration (MLflow)."""
 
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    variants: list[str] = field(default_factory=lambda: list(PROBE_VARIANTS))
     hidden_target: list[int] = field(default_factory=lambda: [2048, 512])  # paper: D-2048-512-1
     hidden_draft: list[int] = field(default_factory=lambda: [512, 256])  # paper: D-512-256-1
     lr: float = 1e-3
@@ -126,9 +125,9 @@ class TrainConfig:
     register: bool = True  # register the probes in the MLflow model registry (alias champion)
 
     def __post_init__(self) -> None:
-        if not self.variants or set(self.variants) - set(VARIANTS):
+        if not self.variants or set(self.variants) - set(PROBE_VARIANTS):
             raise ValueError(
-                f"train: field 'variants' must be a non-empty subset of {VARIANTS}, got {self.variants!r}"
+                f"train: field 'variants' must be a non-empty subset of {PROBE_VARIANTS}, got {self.variants!r}"
             )
         _positive(
             "train",
@@ -154,7 +153,6 @@ class TrainConfig:
 
 
 EVAL_BENCHMARKS = ("arith", "math500", "aime24", "amc23", "gpqa")
-EVAL_METHODS = METHODS
 
 
 @dataclass
@@ -167,9 +165,7 @@ class EvaluateConfig:
     methods: list[str] = field(
         default_factory=lambda: ["target", "draft", "specsampling", "assisted", "specreason", "semanticspec"]
     )
-    probe_variants: list[str] = field(
-        default_factory=lambda: ["random", "last", "all", "mix"]
-    )  # for semanticspec
+    probe_variants: list[str] = field(default_factory=lambda: list(PROBE_VARIANTS))  # for semanticspec
     seeds: list[int] = field(default_factory=lambda: [0])
     max_new_tokens: int = 96
     temperature: float = 0.0
@@ -186,10 +182,10 @@ class EvaluateConfig:
             )
         if any(not isinstance(v, int) or v < 0 for v in self.benchmarks.values()):
             raise ValueError("evaluate: field 'benchmarks' maps names to problem counts >= 0 (0: all)")
-        if not self.methods or set(self.methods) - set(EVAL_METHODS):
-            raise ValueError(f"evaluate: field 'methods' must be a non-empty subset of {EVAL_METHODS}")
-        if set(self.probe_variants) - set(VARIANTS):
-            raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {VARIANTS}")
+        if not self.methods or set(self.methods) - set(METHODS):
+            raise ValueError(f"evaluate: field 'methods' must be a non-empty subset of {METHODS}")
+        if set(self.probe_variants) - set(PROBE_VARIANTS):
+            raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:
             raise ValueError("evaluate: field 'seeds' needs at least one seed")
         _positive("evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma)
@@ -204,7 +200,7 @@ class EvaluateConfig:
         """One label per evaluated decoder: semanticspec expands to semanticspec-<variant>."""
         out = []
         for m in self.methods:
-            out += [f"semanticspec-{v}" for v in self.probe_variants] if m == "semanticspec" else [m]
+            out += [method_label(m, v) for v in self.probe_variants] if m == PROBE_METHOD else [m]
         return out
 
 
@@ -282,16 +278,27 @@ def profiles_dir() -> Path:
     return project_root() / "conf" / "profiles"
 
 
+def read_params_file(path: Path) -> dict[str, Any]:
+    """The raw mapping of a ``params.yaml`` (empty when the file does not exist)."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
 def load_params(
     path: str | Path | None = None, profile: str | None = None, overrides: list[str] | None = None
 ) -> Params:
     """Parse ``params.yaml``, overlay the profile, apply ``section.key=value`` overrides, validate."""
     p = Path(path) if path else project_root() / "params.yaml"
-    raw: dict = {}
-    if p.is_file():
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    elif path:
+    if path and not p.is_file():
         raise ValueError(f"params file {p} not found")
+    raw = read_params_file(p)
     prof = profile or raw.get("profile") or "demo"
     prof_file = profiles_dir() / f"{prof}.yaml"
     if not prof_file.is_file():

@@ -14,7 +14,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import random
 import re
 import zipfile
@@ -22,6 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from semspec.models.grading import extract_answer
+from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class LoadReport:
 
 def resolve_data_dir(explicit: str | Path | None = None) -> Path | None:
     """The local data folder: ``explicit`` or ``SEMSPEC_DATA_DIR``; None means read from the Hub."""
-    d = explicit if explicit is not None else os.environ.get("SEMSPEC_DATA_DIR") or None
+    d = explicit if explicit is not None else settings().data_dir
     if d is None:
         return None
     p = Path(d).expanduser()
@@ -194,13 +196,15 @@ def load_math500(data_dir: str | Path | None = None, on_error: str = "raise") ->
     return _collect("math500", loc, rows, conv, on_error)
 
 
-def load_aime24(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
-    """AIME 2024 (HuggingFaceH4/aime_2024); answers are integers 0-999 kept as strings."""
+def _competition(
+    name: str, local: str, hub_id: str, split: str, data_dir: str | Path | None, on_error: str
+) -> LoadReport:
+    """A competition set with integer answers (AIME, AMC): float answers such as 27.0 become '27'."""
 
     def conv(i: int, r: dict[str, Any]) -> Problem:
         return Problem(
-            question_id=f"aime24-{r.get('id', i)}",
-            source="aime24",
+            question_id=f"{name}-{r.get('id', i)}",
+            source=name,
             domain="math",
             question=_field(r, "problem", "question"),
             answer=_number_str(_field(r, "answer")),
@@ -208,25 +212,18 @@ def load_aime24(data_dir: str | Path | None = None, on_error: str = "raise") -> 
             meta={"url": r.get("url")},
         )
 
-    loc, rows = _rows("aime24/test.jsonl", "HuggingFaceH4/aime_2024", "train", data_dir)
-    return _collect("aime24", loc, rows, conv, on_error)
+    loc, rows = _rows(local, hub_id, split, data_dir)
+    return _collect(name, loc, rows, conv, on_error)
+
+
+def load_aime24(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
+    """AIME 2024 (HuggingFaceH4/aime_2024); answers are integers 0-999 kept as strings."""
+    return _competition("aime24", "aime24/test.jsonl", "HuggingFaceH4/aime_2024", "train", data_dir, on_error)
 
 
 def load_amc23(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
-    """AMC 2023 (math-ai/amc23); float answers such as 27.0 become '27'."""
-
-    def conv(i: int, r: dict[str, Any]) -> Problem:
-        return Problem(
-            question_id=f"amc23-{r.get('id', i)}",
-            source="amc23",
-            domain="math",
-            question=_field(r, "problem", "question"),
-            answer=_number_str(_field(r, "answer")),
-            meta={"url": r.get("url")},
-        )
-
-    loc, rows = _rows("amc23/test.jsonl", "math-ai/amc23", "test", data_dir)
-    return _collect("amc23", loc, rows, conv, on_error)
+    """AMC 2023 (math-ai/amc23)."""
+    return _competition("amc23", "amc23/test.jsonl", "math-ai/amc23", "test", data_dir, on_error)
 
 
 def load_s1k(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
@@ -234,8 +231,6 @@ def load_s1k(data_dir: str | Path | None = None, on_error: str = "raise") -> Loa
     reasoning trace when present; ``cot_type`` as the domain when present, else 'unknown'."""
 
     def conv(i: int, r: dict[str, Any]) -> Problem:
-        from models.grading import extract_answer
-
         solution = str(_field(r, "solution"))
         trace = r.get("deepseek_thinking_trajectory") or r.get("thinking_trajectories")
         if isinstance(trace, list):

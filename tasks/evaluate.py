@@ -17,23 +17,28 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import statistics
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
+from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
-from models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
-from models.grading import grade
-from models.lm import LM, load_lm
-from models.spec import PairConfig
-from tasks.config import EvaluateConfig
-from tasks.data import Problem, generate_arith, load_source
-from tasks.decode import build_decoder
-from tasks.io import config_hash, write_json_atomic
+from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
+from semspec.models.grading import grade
+from semspec.models.lm import LM, load_lm
+from semspec.models.names import parse_label
+from semspec.models.pair import PairConfig
+from semspec.tasks.config import EvaluateConfig, Params
+from semspec.tasks.data import Problem, generate_arith, load_source
+from semspec.tasks.decoders import build_decoder
+from semspec.tasks.io import config_hash, write_json_atomic
+from semspec.tasks.probe_registry import setup_experiment
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,7 @@ def _decoders(
     )
     out, skipped = {}, {}
     for label in cfg.method_labels():
-        method, _, variant = label.partition("-")
+        method, variant = parse_label(label)
         try:
             out[label] = build_decoder(method, pair, lms, settings, variant or "all")
         except MethodNotApplicable as e:
@@ -87,8 +92,6 @@ def bootstrap_pass(
     """95% percentile-bootstrap interval of pass@1 over problems and, with ``base`` (the target's grades on
     the same problems, in the same order), of the paired difference ``pass@1 - base pass@1``.
     Intervals need at least two problems (None otherwise)."""
-    from scipy.stats import bootstrap
-
     a = np.asarray(correct, dtype=float)
     out: dict[str, Any] = {"pass@1_ci95": None}
     if base is not None:
@@ -330,7 +333,7 @@ def write_plots(
     metrics: dict[str, Any], rows: dict[tuple[str, str], list[dict]], plots_dir: Path
 ) -> list[Path]:
     """pass@1 vs latency per benchmark (the paper's Figure 3), TPS per method, acceptance vs p/q."""
-    import matplotlib
+    import matplotlib  # imported here: the headless backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -401,10 +404,6 @@ def log_to_mlflow(
 ) -> None:
     """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``,
     each model's dtype as a param."""
-    import mlflow
-
-    from tasks.registry import setup_experiment
-
     setup_experiment(pair.name)
     for label in labels or cfg.method_labels():
         method, _, variant = label.partition("-")
@@ -440,3 +439,12 @@ def log_to_mlflow(
             if plots_dir is not None and plots_dir.is_dir():
                 for p in plots_dir.glob("*.png"):
                     mlflow.log_artifact(str(p), "plots")
+
+
+def stage(*, params: Params, pair: PairConfig, out: Path, plots: Path, metrics: Path) -> dict[str, Any]:
+    """Stage evaluate (the CLI's and dvc.yaml's entry): every method on the benchmarks; the summary is
+    also copied to ``metrics`` (the file DVC tracks). Returns the metrics."""
+    res = run_evaluate(params.evaluate, pair, out, plots, data_dir=params.ingest.data_dir)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out / "metrics.json", metrics)
+    return res

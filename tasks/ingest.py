@@ -10,10 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from models.lm import LM, load_lm
-from models.spec import PairConfig
-from tasks.config import IngestConfig
-from tasks.data import (
+from semspec.models.lm import LM, load_lm
+from semspec.models.pair import PairConfig
+from semspec.tasks.config import IngestConfig, Params
+from semspec.tasks.data import (
     MAX_STEPS,
     Problem,
     build_prefixes,
@@ -22,7 +22,7 @@ from tasks.data import (
     resolve_data_dir,
     split_steps,
 )
-from tasks.io import file_md5, write_parquet_atomic
+from semspec.tasks.io import file_md5, write_parquet_atomic
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,8 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM |
         no_chain,
     )
     return write_parquet_atomic(pa.Table.from_pylist(rows, schema=PREFIX_SCHEMA), out_path)
+
+
+def stage(*, params: Params, pair: PairConfig, out: Path) -> str:
+    """Stage ingest (the CLI's and dvc.yaml's entry): questions -> reasoning steps -> ``out``."""
+    return f"wrote {run_ingest(params.ingest, pair, out)}"

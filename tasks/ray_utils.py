@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from semspec.models.settings import apply_env, settings
 
 log = logging.getLogger(__name__)
 
 
 def init_ray() -> None:
     """``ray.init()`` once: in-process by default, or the cluster named by ``RAY_ADDRESS``."""
-    import ray
+    import ray  # a slow import that only the ray executor needs
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    address = os.environ.get("RAY_ADDRESS") or None
+    apply_env(keys=("RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE"))
+    address = settings().ray_address
     log.info("starting Ray %s", f"client of {address}" if address else "in-process")
     ray.init(
         address=address,

@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from models.lm import LM, load_lm
-from models.spec import ModelSpec, PairConfig
-from tasks.config import SampleConfig
-from tasks.io import ensure_manifest, file_md5, fixed_list, shard_paths, write_parquet_atomic
+from semspec.models.lm import LM, load_lm
+from semspec.models.pair import ModelSpec, PairConfig
+from semspec.tasks.config import Params, SampleConfig
+from semspec.tasks.io import ensure_manifest, file_md5, fixed_list, shard_paths, write_parquet_atomic
+from semspec.tasks.ray_utils import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +195,7 @@ def _run_local(cfg, pair, work, folders, total, lms) -> None:
 
 
 def _run_ray(cfg, pair, work, folders, total, lms) -> None:
-    import ray
-
-    from tasks.ray_utils import init_ray
+    import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
     roles = sorted({r for r, _ in work})
@@ -254,3 +253,9 @@ def _check_complete(folder: Path, expected: set[str], n: int, role: str) -> None
             f"sample[{role}]: {len(missing)} prefixes missing, {len(pids)} rows for "
             f"{len(expected)} prefixes x {n} in {folder}"
         )
+
+
+def stage(*, params: Params, pair: PairConfig, prefixes: Path, out: Path) -> str:
+    """Stage sample (the CLI's and dvc.yaml's entry): N steps per prefix and role -> ``out/<role>``."""
+    folders = run_sample(params.sample, pair, prefixes, out)
+    return "wrote " + ", ".join(str(f) for f in folders.values())

@@ -16,16 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from scipy.stats import spearmanr
+from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from models.probe import ProbeMLP, RandomProbe
-from models.spec import PairConfig, project_root
-from tasks.config import TrainConfig
-from tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
+from semspec.models.pair import PairConfig
+from semspec.models.probe import ProbeMLP, RandomProbe
+from semspec.models.project import project_root
+from semspec.tasks.config import Params, TrainConfig
+from semspec.tasks.fingerprint import pipeline_fingerprint
+from semspec.tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
+from semspec.tasks.probe_registry import register_probe, setup_experiment
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +114,6 @@ def split_by_question(
 def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> dict[str, float]:
     """MSE, MAE, Spearman, Brier and AUROC for 'in the largest cluster', ECE of predicted vs observed
     semantic probability (10 equal-width bins)."""
-    from scipy.stats import spearmanr
-    from sklearn.metrics import roc_auc_score
-
     bins = np.minimum((pred * ECE_BINS).astype(int), ECE_BINS - 1)
     ece = sum(abs(pred[bins == b].mean() - y[bins == b].mean()) * (bins == b).mean() for b in np.unique(bins))
     rho = spearmanr(pred, y).statistic if np.std(pred) > 0 and np.std(y) > 0 else float("nan")
@@ -128,7 +131,7 @@ def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> di
 
 def calibration_figure(pred: np.ndarray, y: np.ndarray, title: str):
     """Reliability diagram: mean observed semantic probability per predicted-probability bin."""
-    import matplotlib
+    import matplotlib  # imported here: the headless backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,8 +160,6 @@ class _MlflowEpochs(L.Callback):
     """Per-epoch train/val MSE into the active MLflow run."""
 
     def on_train_epoch_end(self, trainer, pl_module):  # runs after this epoch's validation
-        import mlflow
-
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_mse", "val_mse")}
         if m:
             mlflow.log_metrics(m, step=trainer.current_epoch)
@@ -264,14 +265,10 @@ def run_train(
 ) -> dict[str, Any]:
     """Train, evaluate on the held-out questions, log to MLflow and register every probe.
 
-    ``fingerprint`` (``tasks.registry.pipeline_fingerprint``) tags every run and registered version, so a
+    ``fingerprint`` (``semspec.tasks.fingerprint.pipeline_fingerprint``) tags every run and registered version, so a
     scheduled retrain can tell which pairs changed. Writes ``out_dir/<role>-<variant>.pt``, the test metrics to ``metrics_path`` and calibration plots
     to ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
     """
-    import mlflow
-
-    from tasks.registry import register_probe, setup_experiment
-
     roles = roles or sorted(p.stem for p in labels_dir.glob("*.parquet"))
     if not roles:
         raise ValueError(f"no labels in {labels_dir}: run the cluster stage first")
@@ -348,3 +345,12 @@ def run_train(
     write_json_atomic(all_metrics, metrics_path)
     write_json_atomic({"params": asdict(cfg), "roles": roles}, out_dir / "_manifest.json")
     return all_metrics
+
+
+def stage(
+    *, params: Params, pair: PairConfig, samples: Path, labels: Path, out: Path, metrics: Path, plots: Path
+) -> dict[str, Any]:
+    """Stage train (the CLI's and dvc.yaml's entry): fit, evaluate, log and register every probe, tagged
+    with the pipeline fingerprint; returns the test metrics ``{role: {variant: {...}}}``."""
+    fingerprint = pipeline_fingerprint(params, pair)
+    return run_train(params.train, pair, samples, labels, out, metrics, plots, fingerprint=fingerprint)

@@ -14,6 +14,16 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    """Settings are read once per process; each test reads its own environment (monkeypatch.setenv)."""
+    from semspec.models.settings import settings
+
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The local copy of the benchmarks: $SEMSPEC_DATA_DIR, else ../shared/data beside the repo."""
@@ -25,7 +35,7 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_pair():
-    from models.spec import load_pair
+    from semspec.models.project import load_pair
 
     return load_pair("embedded")
 
@@ -33,7 +43,7 @@ def embedded_pair():
 @pytest.fixture(scope="session")
 def draft_lm(embedded_pair):
     """The embedded draft (~18 s to load), once per test session."""
-    from models.lm import load_lm
+    from semspec.models.lm import load_lm
 
     return load_lm(embedded_pair.draft)
 
@@ -41,6 +51,6 @@ def draft_lm(embedded_pair):
 @pytest.fixture(scope="session")
 def target_lm(embedded_pair):
     """The embedded target (~50 s to load), once per test session."""
-    from models.lm import load_lm
+    from semspec.models.lm import load_lm
 
     return load_lm(embedded_pair.target)

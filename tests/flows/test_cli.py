@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from semspec.flows.cli import app
 from tests.helpers.pipeline import write_tiny_pair
 
 runner = CliRunner()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from prefect import task
 
-import flows.pipeline as pipeline
-from flows.stages import STAGES, StageRun
+import semspec.flows.pipeline as pipeline
+from semspec.flows.stages import StageRun
+from semspec.models.names import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +23,10 @@ def harness():
 def recorded(monkeypatch, tmp_path, harness):
     calls: list[tuple] = []
 
-    def fake_run_stage(stage, pair, profile, overrides, force, on_line):
-        on_line(f"running {stage}")
-        calls.append((stage, pair, profile, tuple(overrides), force))
-        return StageRun(stage, pair, "direct", False, 0.01, f"semspec {stage}")
+    def fake_run_stage(req, on_line):
+        on_line(f"running {req.stage}")
+        calls.append((req.stage, req.pair, req.profile, req.overrides, req.force))
+        return StageRun(req.stage, req.pair, "direct", False, 0.01, f"semspec {req.stage}")
 
     @task(name="decode-smoke")
     def fake_smoke(pair: str, variant: str, max_new_tokens: int = 48):
@@ -70,10 +71,8 @@ def test_bad_stage_or_setting_fails_before_any_work(recorded):
 
 
 def test_retrain_runs_only_the_pairs_that_need_it(recorded, monkeypatch):
-    import tasks.registry
-
     monkeypatch.setattr(
-        tasks.registry,
+        pipeline,
         "pair_statuses",
         lambda params: {
             "embedded": None,
@@ -113,21 +112,17 @@ def test_deployments_full_and_retrain_on_the_configured_cron():
     assert full.flow_name == retrain.flow_name == "semspec"
     assert not full.schedules and retrain.parameters == {"retrain": True}
     assert retrain.schedules[0].schedule.cron == "0 3 * * 1"
-    assert full.entrypoint == "flows.pipeline.semspec"
+    assert full.entrypoint == "semspec.flows.pipeline.semspec"
 
 
 def test_one_failing_pair_does_not_stop_the_retrain_of_the_others(recorded, monkeypatch):
-    import tasks.registry
-
-    monkeypatch.setattr(
-        tasks.registry, "pair_statuses", lambda params: {"a": "no champion", "b": "no champion"}
-    )
+    monkeypatch.setattr(pipeline, "pair_statuses", lambda params: {"a": "no champion", "b": "no champion"})
     real = pipeline.run_stage
 
-    def failing(stage, pair, *args, **kwargs):
-        if pair == "a" and stage == "sample":
+    def failing(req, on_line):
+        if req.pair == "a" and req.stage == "sample":
             raise RuntimeError("stage sample (a) failed with exit code 1")
-        return real(stage, pair, *args, **kwargs)
+        return real(req, on_line)
 
     monkeypatch.setattr(pipeline, "run_stage", failing)
     state = pipeline.semspec(profile="tiny", retrain=True, return_state=True)

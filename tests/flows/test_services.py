@@ -11,8 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows import services as svcs
-from flows.services import Service, port_in_use, start, state_dir, stop
+from semspec.flows import services as svcs
+from semspec.flows.services import Service, port_in_use, start, state_dir, stop
+from semspec.models.settings import reload_settings
 from tests.helpers.project import free_port
 
 
@@ -85,4 +86,4 @@ def test_status_and_ports_come_from_the_environment(tmp_path: Path, monkeypatch)
     ]
     monkeypatch.setenv("SEMSPEC_MLFLOW_PORT", "http")
     with pytest.raises(ValueError, match="SEMSPEC_MLFLOW_PORT"):
-        svcs.services(tmp_path)
+        reload_settings()  # the environment is read once per process; a bad port fails there

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.stages import (
+from semspec.flows.stages import (
     STAGES,
     StageFailed,
+    StageRequest,
     plan_stage,
     run_stage,
     stage_command,
@@ -56,21 +57,26 @@ def test_cli_defaults_are_dvc_yaml_paths():
 
 def test_tracked_config_uses_dvc_repro_and_the_rest_runs_the_command(project: Path):
     pair, profile = tracked_config(project)
-    assert plan_stage("sample", pair, profile, root=project) == (
+    assert plan_stage(StageRequest("sample", pair, profile, root=project)) == (
         "dvc",
         ["dvc", "repro", "--single-item", "sample"],
     )
-    assert plan_stage("train", pair, profile, force=True, root=project)[1][-2:] == ["--force", "train"]
-    mode, argv = plan_stage("ingest", "other", profile, ["ingest.seed=3"], root=project)
+    assert plan_stage(StageRequest("train", pair, profile, force=True, root=project))[1][-2:] == [
+        "--force",
+        "train",
+    ]
+    mode, argv = plan_stage(StageRequest("ingest", "other", profile, ("ingest.seed=3",), root=project))
     assert mode == "direct"
     assert argv[:2] == ["semspec", "ingest"] and "data/other/prefixes.parquet" in argv
     assert argv[-6:] == ["--pair", "other", "--profile", profile, "--set", "ingest.seed=3"]
-    assert plan_stage("ingest", pair, "tiny", root=project)[0] == "direct"  # another profile
-    assert plan_stage("ingest", pair, profile, ["ingest.seed=3"], root=project)[0] == "direct"  # overrides
+    assert plan_stage(StageRequest("ingest", pair, "tiny", root=project))[0] == "direct"  # another profile
+    assert (
+        plan_stage(StageRequest("ingest", pair, profile, ("ingest.seed=3",), root=project))[0] == "direct"
+    )  # overrides
     shutil.rmtree(project / ".dvc")
-    assert plan_stage("ingest", pair, profile, root=project)[0] == "direct"  # not a DVC repo
+    assert plan_stage(StageRequest("ingest", pair, profile, root=project))[0] == "direct"  # not a DVC repo
     with pytest.raises(ValueError, match="unknown stage"):
-        plan_stage("deploy", pair, profile, root=project)
+        plan_stage(StageRequest("deploy", pair, profile, root=project))
 
 
 def test_unknown_variable_in_dvc_yaml_is_an_error(tmp_path: Path):
@@ -92,7 +98,9 @@ def _script_project(tmp_path: Path, code: str) -> Path:
 def test_run_stage_streams_lines_and_splits_progress_redraws(tmp_path: Path):
     code = "import sys; print('one'); sys.stdout.write('10%\\r50%\\r100%\\n'); print(sys.argv[1:])"
     lines: list[str] = []
-    run = run_stage("ingest", "p", "demo", root=_script_project(tmp_path, code), on_line=lines.append)
+    run = run_stage(
+        StageRequest("ingest", "p", "demo", root=_script_project(tmp_path, code)), on_line=lines.append
+    )
     assert run.mode == "direct" and not run.skipped and run.seconds > 0
     assert lines[1:5] == ["one", "10%", "50%", "100%"]
     assert lines[5] == "['--pair', 'p', '--profile', 'demo']"
@@ -101,5 +109,7 @@ def test_run_stage_streams_lines_and_splits_progress_redraws(tmp_path: Path):
 def test_failed_stage_raises_with_its_last_lines(tmp_path: Path):
     code = "import sys; print('loading'); print('boom: bad input'); sys.exit(3)"
     with pytest.raises(StageFailed, match="exit code 3") as e:
-        run_stage("ingest", "p", "demo", root=_script_project(tmp_path, code), on_line=lambda _: None)
+        run_stage(
+            StageRequest("ingest", "p", "demo", root=_script_project(tmp_path, code)), on_line=lambda _: None
+        )
     assert str(e.value).endswith("loading\nboom: bad input")

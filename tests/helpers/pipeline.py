@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from models.spec import PairConfig, load_pair
+from semspec.models.pair import PairConfig
+from semspec.models.project import load_pair
 from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 

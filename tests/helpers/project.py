@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from semspec.models.settings import Settings, project_env
+
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("dvc.yaml", "params.yaml", "conf", "models", "tasks")  # the stages' files and deps
 BIN = Path(sys.executable).parent
@@ -44,8 +46,6 @@ def copy_project(dest: Path, profile: str = "tiny", pair: str = "embedded") -> P
 
 def project_environ(dest: Path, prefect_port: int, mlflow_port: int) -> dict[str, str]:
     """This process's environment pointed at the copy: its folder, its ports and its local services."""
-    from flows.env import project_env
-
     env = dict(os.environ)
     env.update(
         SEMSPEC_PROJECT_DIR=str(dest),
@@ -53,14 +53,5 @@ def project_environ(dest: Path, prefect_port: int, mlflow_port: int) -> dict[str
         SEMSPEC_MLFLOW_PORT=str(mlflow_port),
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
     )
-    saved = {k: os.environ.get(k) for k in ("SEMSPEC_PREFECT_PORT", "SEMSPEC_MLFLOW_PORT")}
-    os.environ.update(SEMSPEC_PREFECT_PORT=str(prefect_port), SEMSPEC_MLFLOW_PORT=str(mlflow_port))
-    try:
-        env.update(project_env(dest))  # the copy's values win over anything inherited
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env.update(project_env(dest, Settings.from_env(env)))  # the copy's values win over anything inherited
     return env

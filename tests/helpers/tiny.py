@@ -6,8 +6,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from models.lm import LM
-from models.spec import ModelSpec
+from semspec.models.lm import LM
+from semspec.models.pair import ModelSpec
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from models.spec import load_pair
-from models.weights import parts_missing, resolve_spec
+from semspec.models.project import load_pair
+from semspec.models.weights import parts_missing, resolve_spec
 
 pytestmark = pytest.mark.embedded
 

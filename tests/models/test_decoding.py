@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.decoding import DecodeSettings, SemanticSpecDecoder, SingleModelDecoder, SpecReasonDecoder
+from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder, SingleModelDecoder, SpecReasonDecoder
 from tests.helpers.tiny import tiny_lm
 
 Q = "What is 2 + 3?"

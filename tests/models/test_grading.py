@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.grading import extract_answer, grade, is_equiv, last_boxed
+from semspec.models.grading import extract_answer, grade, is_equiv, last_boxed
 
 # (gold, prediction): equivalent pairs, checked in both directions
 EQUIVALENT = [
@@ -138,7 +138,7 @@ def test_grade_completion_and_bare_answers():
 
 
 def test_every_math500_reference_solution_grades_correct(data_dir):
-    from tasks.data import load_math500
+    from semspec.tasks.data import load_math500
 
     problems = load_math500(data_dir=data_dir).problems
     assert len(problems) == 500

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
-from models.judges import EmbeddingJudge, NLIJudge, greedy_cluster, normalize_step, semantic_entropy
+from semspec.models.judges import EmbeddingJudge, NLIJudge, greedy_cluster, normalize_step, semantic_entropy
 from tests.helpers.tiny import char_tokenizer
 
 

@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from models.lm import Pooled
-from models.probe import ProbeMLP, RandomProbe, probe_probability
+from semspec.models.lm import Pooled
+from semspec.models.probe import ProbeMLP, RandomProbe, probe_probability
 
 
 def test_mlp_probe_outputs_probabilities():

@@ -7,7 +7,8 @@ import copy
 import pytest
 import yaml
 
-from models.spec import PairConfig, list_pairs, load_pair, pairs_dir
+from semspec.models.pair import PairConfig
+from semspec.models.project import list_pairs, load_pair, pairs_dir
 
 
 def test_shipped_pairs_validate():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from models.spec import ModelSpec
-from models.weights import join_parts, parts_missing, resolve_spec, unavailable_reason, verify_sha256
+from semspec.models.pair import ModelSpec
+from semspec.models.weights import join_parts, parts_missing, resolve_spec, unavailable_reason, verify_sha256
 
 
 def _fake_dist(

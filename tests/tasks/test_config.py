@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.spec import load_pair
-from tasks.config import load_params
+from semspec.models.project import load_pair
+from semspec.tasks.config import load_params
 
 
 def test_default_params_are_the_demo_profile():
@@ -23,7 +23,7 @@ def test_default_params_are_the_demo_profile():
 
 
 def test_every_pair_runs_in_bfloat16():
-    from models.spec import list_pairs
+    from semspec.models.project import list_pairs
 
     for name in list_pairs():
         pair = load_pair(name)

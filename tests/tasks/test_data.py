@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from tasks import data as D
+from semspec.tasks import data as D
 
 EXPECTED = {"s1k": 1000, "math500": 500, "aime24": 30, "amc23": 40, "gpqa": 198}
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from models.decoding import SingleModelDecoder
-from models.spec import ModelSpec, PairConfig
-from tasks.config import EvaluateConfig
-from tasks.evaluate import bootstrap_pass, run_evaluate, summarize_rows
+from semspec.models.decoding import SingleModelDecoder
+from semspec.models.pair import ModelSpec, PairConfig
+from semspec.tasks.config import EvaluateConfig
+from semspec.tasks.evaluate import bootstrap_pass, run_evaluate, summarize_rows
 from tests.helpers.tiny import tiny_lm
 
 
@@ -108,8 +108,8 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
 
 
 def test_bench_runs_token_speculation_or_says_why_not():
-    from models.decoding import DecodeSettings
-    from tasks.bench import format_bench, run_bench
+    from semspec.models.decoding import DecodeSettings
+    from semspec.tasks.bench import format_bench, run_bench
 
     settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
     same = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}

@@ -16,14 +16,14 @@ import pytest
 import torch
 import yaml
 
-from models.judges import EmbeddingJudge
-from models.lm import load_lm
-from tasks.cluster import inject_noise, label_prefix, run_cluster
-from tasks.config import ClusterConfig, load_params
-from tasks.ingest import run_ingest
-from tasks.io import read_shards
-from tasks.sample import run_sample
-from tasks.train import split_by_question
+from semspec.models.judges import EmbeddingJudge
+from semspec.models.lm import load_lm
+from semspec.tasks.cluster import inject_noise, label_prefix, run_cluster
+from semspec.tasks.config import ClusterConfig, load_params
+from semspec.tasks.ingest import run_ingest
+from semspec.tasks.io import read_shards
+from semspec.tasks.sample import run_sample
+from semspec.tasks.train import split_by_question
 from tests.helpers.pipeline import write_tiny_pair
 from tests.helpers.tiny import boost_tokens
 
@@ -148,8 +148,8 @@ def test_split_by_question_never_shares_a_question():
 @pytest.fixture(scope="module")
 def trained(stages, tmp_path_factory):
     """Train all 8 probes into a private MLflow store, tagged with the pipeline fingerprint."""
-    from tasks.registry import pipeline_fingerprint
-    from tasks.train import run_train
+    from semspec.tasks.fingerprint import pipeline_fingerprint
+    from semspec.tasks.train import run_train
 
     tmp = stages["tmp"]
     env = {
@@ -210,9 +210,9 @@ def test_train_registers_eight_champion_probes(stages, trained):
 
 
 def test_registry_round_trip_and_mismatch(stages, trained):
-    from models.lm import Pooled
-    from models.probe import probe_probability
-    from tasks.registry import load_probe
+    from semspec.models.lm import Pooled
+    from semspec.models.probe import probe_probability
+    from semspec.tasks.probe_registry import load_probe
 
     probe = load_probe("tiny", "target", "mix", "tiny-target", 64)
     pooled = Pooled(torch.randn(3, 64))
@@ -243,9 +243,9 @@ def test_sample_stage_through_ray_actors(tmp_path):
 SAMPLE_SCRIPT = """
 import sys
 from pathlib import Path
-from models.spec import load_pair
-from tasks.config import load_params
-from tasks.sample import run_sample
+from semspec.models.project import load_pair
+from semspec.tasks.config import load_params
+from semspec.tasks.sample import run_sample
 tmp = Path(sys.argv[1])
 p = load_params(profile="tiny", overrides=["sample.executor=local", "sample.batch_prefixes=1", "sample.n=16",
                                            "sample.max_step_tokens=48"])
@@ -293,8 +293,8 @@ def test_sample_resumes_after_a_kill(tmp_path):
 
 
 def test_semanticspec_decoder_uses_the_registered_probes(stages, trained):
-    from models.decoding import DecodeSettings
-    from tasks.decode import build_decoder
+    from semspec.models.decoding import DecodeSettings
+    from semspec.tasks.decoders import build_decoder
 
     pair = stages["pair"]
     lms = {r: load_lm(pair.role(r)) for r in ("draft", "target")}
@@ -311,7 +311,7 @@ def test_semanticspec_decoder_uses_the_registered_probes(stages, trained):
 
 
 def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
-    from tasks.evaluate import run_evaluate
+    from semspec.tasks.evaluate import run_evaluate
 
     tmp = stages["tmp"]
     pair = stages["pair"]
@@ -347,9 +347,9 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
 
 
 def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
-    from models.lm import Pooled
-    from models.probe import probe_probability
-    from tasks.registry import load_probe
+    from semspec.models.lm import Pooled
+    from semspec.models.probe import probe_probability
+    from semspec.tasks.probe_registry import load_probe
 
     q = load_probe("tiny", "draft", "random", "tiny-draft", 32)
     p = load_probe("tiny", "target", "random", "tiny-target", 64)
@@ -361,7 +361,7 @@ def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
 
 
 def test_ingest_has_the_target_write_missing_traces(tmp_path):
-    from tasks.ingest import write_trace
+    from semspec.tasks.ingest import write_trace
     from tests.helpers.tiny import tiny_lm
 
     target = tiny_lm(boost=2.0, max_step_tokens=6)
@@ -394,7 +394,8 @@ ALL_ROLES, ALL_VARIANTS = ["draft", "target"], ["last", "all", "mix", "random"]
 
 
 def test_champion_status_tracks_config_and_data(stages, trained):
-    from tasks.registry import champion_status, pipeline_fingerprint
+    from semspec.tasks.fingerprint import pipeline_fingerprint
+    from semspec.tasks.retrain import champion_status
 
     pair, params = stages["pair"], stages["params"]
     fp = pipeline_fingerprint(params, pair)
@@ -414,7 +415,7 @@ def test_champion_status_tracks_config_and_data(stages, trained):
 
 
 def test_pair_statuses_covers_every_pair_file(stages, trained, tmp_path, monkeypatch):
-    from tasks.registry import pair_statuses
+    from semspec.tasks.retrain import pair_statuses
 
     pairs = tmp_path / "conf" / "pairs"
     pairs.mkdir(parents=True)

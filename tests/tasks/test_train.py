@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.config import TrainConfig
-from tasks.train import ProbeData, fit_probe, predict
+from semspec.tasks.config import TrainConfig
+from semspec.tasks.train import ProbeData, fit_probe, predict
 
 
 def _data(n: int, d: int = 6) -> ProbeData:

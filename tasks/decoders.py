@@ -1,29 +1,29 @@
-"""Stage ``decode``: build any decoder for a pair, with its probes loaded from the MLflow registry."""
+"""Build any decoder for a pair; SemanticSpec's probes are loaded from the MLflow registry."""
 
 from __future__ import annotations
 
 import logging
 
-from models.decoding import (
-    METHODS,
+from semspec.models.decoding import (
     AssistedDecoder,
+    Decoder,
     DecodeSettings,
+    ProbeFn,
     SemanticSpecDecoder,
     SingleModelDecoder,
     SpecReasonDecoder,
     TokenSpecDecoder,
 )
-from models.lm import LM
-from models.probe import probe_probability
-from models.spec import PairConfig
-from tasks.registry import load_probe
+from semspec.models.lm import LM
+from semspec.models.names import METHODS, PROBE_VARIANTS
+from semspec.models.pair import PairConfig
+from semspec.models.probe import probe_probability
+from semspec.tasks.probe_registry import load_probe
 
 log = logging.getLogger(__name__)
 
-PROBE_VARIANTS = ("random", "last", "all", "mix")
 
-
-def probe_fn(pair: str, role: str, variant: str, lm: LM):
+def probe_fn(pair: str, role: str, variant: str, lm: LM) -> ProbeFn:
     """The registered ``champion`` probe of ``role`` as a function of pooled hidden states."""
     probe = load_probe(pair, role, variant, lm.model_id, lm.hidden_size)
     return lambda pooled: probe_probability(probe, pooled)
@@ -31,7 +31,7 @@ def probe_fn(pair: str, role: str, variant: str, lm: LM):
 
 def build_decoder(
     method: str, pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, variant: str = "all"
-):
+) -> Decoder:
     """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``.
     ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across vocabularies)."""
     if method not in METHODS:

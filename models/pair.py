@@ -1,19 +1,15 @@
-"""Typed model-pair configuration: what to load for the draft, the target and the judge.
+"""The model-pair schema: what to load for the draft, the target and the judge.
 
-A pair lives in ``conf/pairs/<name>.yaml`` and is parsed once, at the entry point, into these
-dataclasses. Every field is validated in ``__post_init__`` so a bad spec fails with a message
+A pair lives in ``conf/pairs/<name>.yaml`` (found by ``semspec.models.project``) and is parsed once, at
+the entry point, into these dataclasses. Every field is validated in ``__post_init__`` so a bad spec fails with a message
 naming the field instead of crashing later inside transformers.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 SOURCES = ("hub", "local", "package")
 MODEL_SOURCES = (*SOURCES, "parts")  # parts: one GGUF file split over several PyPI packages
@@ -195,37 +191,3 @@ class PairConfig:
             judge=from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
             description=str(data.get("description", "")),
         )
-
-
-def project_root() -> Path:
-    """The project folder (holding ``conf/``, ``params.yaml``, ``dvc.yaml``): ``SEMSPEC_PROJECT_DIR`` when
-    set (a copy of the project elsewhere, e.g. for an isolated run), else this repository."""
-    override = os.environ.get("SEMSPEC_PROJECT_DIR")
-    return Path(override).resolve() if override else Path(__file__).resolve().parent.parent
-
-
-def pairs_dir() -> Path:
-    """Folder with one YAML file per model pair."""
-    return project_root() / "conf" / "pairs"
-
-
-def list_pairs(directory: Path | None = None) -> list[str]:
-    """Names of the pairs configured in ``conf/pairs``."""
-    d = directory or pairs_dir()
-    return sorted(p.stem for p in d.glob("*.yaml"))
-
-
-def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairConfig:
-    """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path."""
-    p = Path(name_or_path)
-    if p.suffix not in (".yaml", ".yml"):
-        p = (directory or pairs_dir()) / f"{name_or_path}.yaml"
-    if not p.is_file():
-        raise ValueError(
-            f"unknown model pair {str(name_or_path)!r}: no file {p}; available: {', '.join(list_pairs(directory))}"
-        )
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from e
-    return PairConfig.from_dict(data, where=str(p))

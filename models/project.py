@@ -1,0 +1,43 @@
+"""Project discovery: the project folder and the model pairs configured in ``conf/pairs/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from semspec.models.pair import PairConfig
+from semspec.models.settings import settings
+
+
+def project_root() -> Path:
+    """The project folder (holding ``conf/``, ``params.yaml``, ``dvc.yaml``): ``SEMSPEC_PROJECT_DIR`` when
+    set (a copy of the project elsewhere, e.g. for an isolated run), else this repository."""
+    return settings().project_dir
+
+
+def pairs_dir() -> Path:
+    """Folder with one YAML file per model pair."""
+    return project_root() / "conf" / "pairs"
+
+
+def list_pairs(directory: Path | None = None) -> list[str]:
+    """Names of the pairs configured in ``conf/pairs``."""
+    d = directory or pairs_dir()
+    return sorted(p.stem for p in d.glob("*.yaml"))
+
+
+def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairConfig:
+    """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path."""
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml"):
+        p = (directory or pairs_dir()) / f"{name_or_path}.yaml"
+    if not p.is_file():
+        raise ValueError(
+            f"unknown model pair {str(name_or_path)!r}: no file {p}; available: {', '.join(list_pairs(directory))}"
+        )
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from e
+    return PairConfig.from_dict(data, where=str(p))

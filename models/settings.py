@@ -1,0 +1,105 @@
+"""Every setting the project reads from the environment, in one object read once per process.
+
+``settings()`` parses the variables the first time it is called; ``reload_settings()`` reads them again
+(after a process changed its environment, e.g. ``apply_env`` or a test). ``project_env`` is the local,
+offline-friendly environment that the CLI applies and the services inherit; values already set win, so
+a user can point at a real Prefect, MLflow or Ray cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"  # every service binds to loopback only
+_REPO = Path(__file__).resolve().parent.parent
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _port(env: Mapping[str, str], var: str, default: int) -> int:
+    raw = env.get(var, str(default))
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"{var}={raw!r} is not a TCP port (1-65535)")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment, parsed: paths resolved, ports checked."""
+
+    project_dir: Path  # SEMSPEC_PROJECT_DIR: conf/, params.yaml, dvc.yaml (default: this repository)
+    cache_dir: Path  # SEMSPEC_CACHE_DIR: joined model parts, hash stamps (default ~/.cache/semspec)
+    data_dir: Path | None  # SEMSPEC_DATA_DIR: local benchmark copies (None: the Hub)
+    mlflow_artifacts: Path  # SEMSPEC_MLFLOW_ARTIFACTS (default <project>/mlartifacts)
+    prefect_port: int  # SEMSPEC_PREFECT_PORT (4200)
+    mlflow_port: int  # SEMSPEC_MLFLOW_PORT (5000)
+    ray_address: str | None  # RAY_ADDRESS: a Ray cluster (None: in-process)
+    hub_offline: bool  # HF_HUB_OFFLINE
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Parse ``env`` (default ``os.environ``); a bad port is a ValueError naming the variable."""
+        env = os.environ if env is None else env
+        project = Path(env["SEMSPEC_PROJECT_DIR"]).resolve() if env.get("SEMSPEC_PROJECT_DIR") else _REPO
+        return cls(
+            project_dir=project,
+            cache_dir=Path(env.get("SEMSPEC_CACHE_DIR") or Path.home() / ".cache" / "semspec"),
+            data_dir=Path(env["SEMSPEC_DATA_DIR"]) if env.get("SEMSPEC_DATA_DIR") else None,
+            mlflow_artifacts=Path(env.get("SEMSPEC_MLFLOW_ARTIFACTS") or project / "mlartifacts").resolve(),
+            prefect_port=_port(env, "SEMSPEC_PREFECT_PORT", 4200),
+            mlflow_port=_port(env, "SEMSPEC_MLFLOW_PORT", 5000),
+            ray_address=env.get("RAY_ADDRESS") or None,
+            hub_offline=env.get("HF_HUB_OFFLINE", "").lower() in _TRUE,
+        )
+
+
+@functools.cache
+def settings() -> Settings:
+    """This process's settings, read from the environment on the first call."""
+    return Settings.from_env()
+
+
+def reload_settings() -> Settings:
+    """Read the environment again (after it changed) and return the new settings."""
+    settings.cache_clear()
+    return settings()
+
+
+def project_env(root: Path | None = None, s: Settings | None = None) -> dict[str, str]:
+    """Environment variables for local services, Ray and offline model loading (for ``root``, with the
+    ports of ``s``; default: this process's settings)."""
+    s = s or settings()
+    r = (root or s.project_dir).resolve()
+    return {
+        "PREFECT_HOME": str(r / ".prefect"),
+        "PREFECT_API_URL": f"http://{HOST}:{s.prefect_port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{r / 'mlruns.db'}",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "DVC_NO_ANALYTICS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(r / ".hf"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def effective_env(root: Path | None = None) -> dict[str, str]:
+    """``project_env`` with any value already set in ``os.environ`` taking precedence."""
+    return {k: os.environ.get(k, v) for k, v in project_env(root).items()}
+
+
+def apply_env(root: Path | None = None, keys: tuple[str, ...] | None = None) -> None:
+    """Set every project variable (or only ``keys``) not already set in this process, then re-read the
+    settings."""
+    for k, v in project_env(root).items():
+        if keys is None or k in keys:
+            os.environ.setdefault(k, v)
+    reload_settings()
