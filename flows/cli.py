@@ -281,7 +281,7 @@ STAGE_COMMANDS = {
         {
             "samples": "Samples folder.",
             "labels": "Labels folder.",
-            "out": "Folder for the probe checkpoints.",
+            "out": "Folder for probes.json (the stored probes' registry versions, URIs and hashes).",
             "metrics": "Test-metrics JSON to write.",
             "plots": "Folder for calibration plots.",
         },
@@ -291,6 +291,7 @@ STAGE_COMMANDS = {
         "semspec.tasks.evaluate",
         "Stage evaluate: every method on the benchmarks (pass@1, latency, TPS, target share, speed-up).",
         {
+            "probes": "The train stage's output folder (which probe versions to evaluate).",
             "out": "Folder for <benchmark>/<method>.jsonl and metrics.json.",
             "plots": "Folder for the evaluation plots.",
             "metrics": "Summary JSON for DVC.",

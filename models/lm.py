@@ -159,6 +159,13 @@ class LM:
         """The dtype the weights run in (e.g. ``bfloat16``), printed beside every speed figure."""
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
+    def describe(self) -> dict[str, str]:
+        """``{model_id, dtype, device}``: what every speed figure is printed beside."""
+        return {"model_id": self.model_id, "dtype": self.dtype_name, "device": str(self.device)}
+
+    def __str__(self) -> str:
+        return "{model_id} ({dtype}, {device})".format(**self.describe())
+
     # ----------------------------------------------------------------------------------- prompts
     def uses_chat_template(self) -> bool:
         """Whether prompts are built with the tokenizer's chat template."""

@@ -13,7 +13,6 @@ ROLES = ("draft", "target")
 STAGES = ("ingest", "sample", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order
 SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the registered probes
 CHAMPION = "champion"  # registry alias of the probe version that decoding loads
-PROBE_ARTIFACT = "probe"  # name of the logged model inside a training run
 
 
 def method_label(method: str, variant: str | None = None) -> str:

@@ -8,14 +8,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 FEATURES = ("last", "all", "mix")
 SIGMA_FLOOR = 1e-6  # a standard deviation below this counts as constant
+WEIGHTS_FILE = "probe.safetensors"  # tensors only: loading it runs no code
+CONFIG_FILE = "probe.json"  # what module to build around the weights
+FORMAT_VERSION = 1
 
 
 class ProbeMLP(L.LightningModule):
@@ -106,15 +115,6 @@ class RandomProbe(nn.Module):
         """x (B, ...) -> uniform [0, 1) (B,)."""
         return torch.rand(x.shape[0], generator=self.generator)
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["generator"] = None  # generators do not pickle; re-seeded on load
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.generator = torch.Generator().manual_seed(self.seed)
-
 
 def probe_input(probe: nn.Module, pooled) -> torch.Tensor:
     """The probe's input built from a :class:`semspec.models.lm.Pooled` -> (1, D) or (1, L+1, D)."""
@@ -125,3 +125,87 @@ def probe_input(probe: nn.Module, pooled) -> torch.Tensor:
 def probe_probability(probe: nn.Module, pooled) -> float:
     """Semantic probability the probe assigns to one pooled step."""
     return float(probe(probe_input(probe, pooled))[0])
+
+
+def probe_config(probe: nn.Module) -> dict[str, Any]:
+    """The JSON description of a probe: enough to rebuild the module its weights belong to."""
+    if isinstance(probe, RandomProbe):
+        return {
+            "format": FORMAT_VERSION,
+            "kind": "random",
+            "feature": probe.feature,
+            "input_dim": probe.input_dim,
+            "seed": probe.seed,
+        }
+    if isinstance(probe, ProbeMLP):
+        hp = dict(probe.hparams)
+        return {
+            "format": FORMAT_VERSION,
+            "kind": "mlp",
+            "feature": hp["feature"],
+            "input_dim": hp["input_dim"],
+            "hidden": list(hp["hidden"]),
+            "num_layers": hp["num_layers"],
+            "lr": hp["lr"],
+            "betas": list(hp["betas"]),
+            "weight_decay": hp["weight_decay"],
+        }
+    raise ValueError(f"cannot store a {type(probe).__name__}: expected ProbeMLP or RandomProbe")
+
+
+def save_probe(probe: nn.Module, folder: Path) -> str:
+    """Write ``probe`` as ``probe.safetensors`` (its tensors, incl. the standardisation) and ``probe.json``
+    (its config) into ``folder``; returns the weights file's sha256."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = probe_config(probe)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in probe.state_dict().items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": config["kind"]})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    return sha256_of(folder / WEIGHTS_FILE)
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_probe_folder(folder: Path, sha256: str | None = None, where: str | None = None) -> nn.Module:
+    """The probe stored by ``save_probe`` in ``folder`` (eval mode). With ``sha256`` the weights file must
+    have that hash. Anything else — a missing or altered file, a pickle-format probe, weights that do not
+    fit the config — is a ``ValueError`` naming ``where`` (default: the folder)."""
+    where = where or str(folder)
+    weights, config_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
+    if not config_path.is_file() or not weights.is_file():
+        if (folder / "MLmodel").is_file() or any(folder.glob("**/*.pth")) or any(folder.glob("**/*.pkl")):
+            raise ValueError(
+                f"{where} is a pickle-format probe (an old format whose loading can run arbitrary code); it "
+                "is refused: retrain the pair's probes (`semspec train --pair <pair>` or `dvc repro train`)"
+            )
+        raise ValueError(f"{where} holds no {WEIGHTS_FILE} + {CONFIG_FILE}")
+    if sha256 is not None and sha256_of(weights) != sha256:
+        raise ValueError(f"{where}: {WEIGHTS_FILE} does not match its recorded sha256 (altered or corrupt)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        probe = _build(config)
+        probe.load_state_dict(load_file(str(weights)), strict=True)
+    except (json.JSONDecodeError, SafetensorError, KeyError, TypeError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{where}: not a valid probe ({type(e).__name__}: {e})") from None
+    return probe.eval()
+
+
+def _build(config: dict[str, Any]) -> nn.Module:
+    if config.get("format") != FORMAT_VERSION:
+        raise ValueError(f"probe format {config.get('format')!r}, this version reads {FORMAT_VERSION}")
+    if config["kind"] == "random":
+        return RandomProbe(int(config["input_dim"]), config["feature"], seed=int(config["seed"]))
+    if config["kind"] == "mlp":
+        return ProbeMLP(
+            int(config["input_dim"]),
+            [int(h) for h in config["hidden"]],
+            config["feature"],
+            config["num_layers"],
+            float(config["lr"]),
+            tuple(config["betas"]),
+            float(config["weight_decay"]),
+        )
+    raise ValueError(f"unknown probe kind {config['kind']!r}")

@@ -100,7 +100,7 @@ def run_bench(
                 results[label].append(dec.decode(q))
                 bar.update(1)
     summary = summarize(results)
-    summary["_models"] = {r: f"{lm.model_id} ({lm.dtype_name}, {lm.device})" for r, lm in lms.items()}
+    summary["_models"] = {r: str(lm) for r, lm in lms.items()}
     if skipped:
         summary["_skipped"] = skipped
     return summary

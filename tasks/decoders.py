@@ -5,35 +5,42 @@ from __future__ import annotations
 import logging
 
 from semspec.models.decoding import (
-    AssistedDecoder,
     Decoder,
     DecodeSettings,
     ProbeFn,
     SemanticSpecDecoder,
     SingleModelDecoder,
     SpecReasonDecoder,
-    TokenSpecDecoder,
 )
 from semspec.models.lm import LM
 from semspec.models.names import METHODS, PROBE_VARIANTS
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probability
+from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
 from semspec.tasks.probe_registry import load_probe
 
 log = logging.getLogger(__name__)
 
 
-def probe_fn(pair: str, role: str, variant: str, lm: LM) -> ProbeFn:
-    """The registered ``champion`` probe of ``role`` as a function of pooled hidden states."""
-    probe = load_probe(pair, role, variant, lm.model_id, lm.hidden_size)
-    return lambda pooled: probe_probability(probe, pooled)
+def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = None) -> tuple[ProbeFn, str]:
+    """The registered probe of ``role`` (``version``, default the ``champion``) as a function of pooled
+    hidden states, and the sha256 of its weights."""
+    probe, ref = load_probe(pair, role, variant, lm.model_id, lm.hidden_size, version=version)
+    return (lambda pooled: probe_probability(probe, pooled)), ref.sha256
 
 
 def build_decoder(
-    method: str, pair: PairConfig, lms: dict[str, LM], settings: DecodeSettings, variant: str = "all"
+    method: str,
+    pair: PairConfig,
+    lms: dict[str, LM],
+    settings: DecodeSettings,
+    variant: str = "all",
+    pins: dict[str, str] | None = None,
 ) -> Decoder:
-    """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``.
-    ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across vocabularies)."""
+    """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``: the
+    versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
+    champions. ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
+    vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if method in ("target", "draft"):
@@ -46,6 +53,7 @@ def build_decoder(
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
     if variant not in PROBE_VARIANTS:
         raise ValueError(f"unknown probe variant {variant!r}; expected one of {PROBE_VARIANTS}")
-    q = probe_fn(pair.name, "draft", variant, lms["draft"])
-    p = probe_fn(pair.name, "target", variant, lms["target"])
-    return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings)
+    pins = pins or {}
+    q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
+    p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))
+    return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})

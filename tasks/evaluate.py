@@ -32,13 +32,13 @@ from tqdm.auto import tqdm
 from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
 from semspec.models.grading import grade
 from semspec.models.lm import LM, load_lm
-from semspec.models.names import parse_label
+from semspec.models.names import PROBE_METHOD, ROLES, parse_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.io import config_hash, write_json_atomic
-from semspec.tasks.probe_registry import setup_experiment
+from semspec.tasks.probe_registry import read_pointers, setup_experiment
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,12 @@ def _level(v: object) -> int | None:
 
 
 def _decoders(
-    cfg: EvaluateConfig, pair: PairConfig, lms: dict[str, LM], benchmark: str, seed: int
+    cfg: EvaluateConfig,
+    pair: PairConfig,
+    lms: dict[str, LM],
+    benchmark: str,
+    seed: int,
+    pins: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The decoders of every method label, and the labels that cannot run on this pair with the reason."""
     settings = DecodeSettings(
@@ -80,7 +85,7 @@ def _decoders(
     for label in cfg.method_labels():
         method, variant = parse_label(label)
         try:
-            out[label] = build_decoder(method, pair, lms, settings, variant or "all")
+            out[label] = build_decoder(method, pair, lms, settings, variant or "all", pins)
         except MethodNotApplicable as e:
             skipped[label] = str(e)
     return out, skipped
@@ -216,7 +221,7 @@ def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> 
             "evaluate": settings,
             "pair": spec,
             "label": label,
-            "probes": getattr(decoder, "probe_versions", None),
+            "probes": getattr(decoder, "probe_ids", None),
         }
     )
 
@@ -252,11 +257,49 @@ def run_evaluate(
     lms: dict[str, LM] | None = None,
     data_dir: str | None = None,
     log_mlflow: bool = True,
+    pins: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate every method on every configured benchmark; returns ``{benchmark: {method: metrics}}``
-    (plus ``_skipped`` benchmarks and ``_skipped_methods``). Resumes per problem (see the module notes)."""
-    lms = lms or {r: load_lm(pair.role(r)) for r in ("draft", "target")}
-    labels = cfg.method_labels()
+    (plus ``_skipped`` benchmarks, ``_skipped_methods`` and ``_models``). SemanticSpec uses the probe
+    versions ``pins`` names (see ``build_decoder``), else the champions. Resumes per problem (see the
+    module notes)."""
+    lms = lms or {r: load_lm(pair.role(r)) for r in ROLES}
+    problems, skipped = _load_problems(cfg, data_dir)
+    log.info("evaluate: %s", ", ".join(f"{r} {lm}" for r, lm in lms.items()))
+    # 1. decoders per (benchmark, seed); methods that cannot run on this pair are skipped with the reason
+    decoders, not_run = {}, {}
+    for bench in problems:
+        for seed in cfg.seeds:
+            decoders[bench, seed], not_run = _decoders(cfg, pair, lms, bench, seed, pins)
+    for label, why in not_run.items():
+        log.warning("evaluate: skipping %s: %s", label, why)
+    labels = [x for x in cfg.method_labels() if x not in not_run]
+    # 2. decode what is not on disk yet with the same settings (resume)
+    rows = _decode_missing(cfg, pair, problems, decoders, labels, out_dir)
+    # 3. keep only the rows of this run's problems (a smaller run must not count an earlier, larger one's)
+    wanted = {(b, p.question_id, s) for b, ps in problems.items() for p in ps for s in cfg.seeds}
+    rows = {k: [r for r in rs if (k[0], r["question_id"], r["seed"]) in wanted] for k, rs in rows.items()}
+    metrics: dict[str, Any] = {
+        bench: {label: summarize_rows(rows[bench, label], rows.get((bench, "target"))) for label in labels}
+        for bench in problems
+    }
+    if skipped:
+        metrics["_skipped"] = skipped
+    if not_run:
+        metrics["_skipped_methods"] = not_run
+    metrics["_models"] = {r: lm.describe() for r, lm in lms.items()}
+    write_json_atomic(metrics, out_dir / "metrics.json")
+    if plots_dir is not None:
+        write_plots(metrics, rows, plots_dir)
+    if log_mlflow:
+        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, lms)
+    return metrics
+
+
+def _load_problems(
+    cfg: EvaluateConfig, data_dir: str | None
+) -> tuple[dict[str, list[Problem]], dict[str, str]]:
+    """The problems of every benchmark that can be loaded, and the others with the reason."""
     problems, skipped = {}, {}
     for b, n in cfg.benchmarks.items():
         try:
@@ -266,19 +309,19 @@ def run_evaluate(
             skipped[b] = str(e)
     if not problems:
         raise ValueError(f"no benchmark could be loaded: {skipped}")
-    log.info(
-        "evaluate: %s",
-        ", ".join(f"{r} {lm.model_id} ({lm.dtype_name}, {lm.device})" for r, lm in lms.items()),
-    )
-    # 1. decoders per (benchmark, seed); methods that cannot run on this pair are skipped with the reason
-    decoders, not_run = {}, {}
-    for bench in problems:
-        for seed in cfg.seeds:
-            decoders[bench, seed], not_run = _decoders(cfg, pair, lms, bench, seed)
-    for label, why in not_run.items():
-        log.warning("evaluate: skipping %s: %s", label, why)
-    labels = [x for x in labels if x not in not_run]
-    # 2. rows already written with the same settings are kept (resume); the rest is decoded
+    return problems, skipped
+
+
+def _decode_missing(
+    cfg: EvaluateConfig,
+    pair: PairConfig,
+    problems: dict[str, list[Problem]],
+    decoders: dict[tuple[str, int], dict[str, Any]],
+    labels: list[str],
+    out_dir: Path,
+) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Rows per (benchmark, label): those on disk with this run's key, plus every missing problem decoded
+    now and appended to its file as it finishes."""
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     keys = {label: run_key(cfg, pair, label, decoders[next(iter(decoders))][label]) for label in labels}
     for bench in problems:
@@ -292,8 +335,7 @@ def run_evaluate(
         for seed in cfg.seeds
         for i, prob in enumerate(probs)
     ]
-    total = len(todo) * len(labels)
-    with tqdm(total=total, initial=len(done), desc="evaluate", unit="decode") as bar:
+    with tqdm(total=len(todo) * len(labels), initial=len(done), desc="evaluate", unit="decode") as bar:
         for bench, seed, i, prob in todo:
             order = labels[i % len(labels) :] + labels[: i % len(labels)]  # rotate who goes first
             for label in order:
@@ -306,27 +348,7 @@ def run_evaluate(
                 with open(out_dir / bench / f"{label}.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(row, default=str) + "\n")  # appended as it finishes: a crash keeps it
                 bar.update(1)
-    # 3. keep only the rows of this run's problems (a smaller run must not count an earlier, larger one's)
-    wanted = {(b, p.question_id, s) for b, ps in problems.items() for p in ps for s in cfg.seeds}
-    rows = {k: [r for r in rs if (k[0], r["question_id"], r["seed"]) in wanted] for k, rs in rows.items()}
-    metrics: dict[str, Any] = {}
-    for bench in problems:
-        base = rows.get((bench, "target"))
-        metrics[bench] = {label: summarize_rows(rows[bench, label], base) for label in labels}
-    if skipped:
-        metrics["_skipped"] = skipped
-    if not_run:
-        metrics["_skipped_methods"] = not_run
-    metrics["_models"] = {
-        r: {"model_id": lm.model_id, "dtype": lm.dtype_name, "device": str(lm.device)}
-        for r, lm in lms.items()
-    }
-    write_json_atomic(metrics, out_dir / "metrics.json")
-    if plots_dir is not None:
-        write_plots(metrics, rows, plots_dir)
-    if log_mlflow:
-        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, lms)
-    return metrics
+    return rows
 
 
 def write_plots(
@@ -339,23 +361,34 @@ def write_plots(
     import matplotlib.pyplot as plt
 
     plots_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     metrics = {b: ms for b, ms in metrics.items() if not b.startswith("_")}
-    for bench, ms in metrics.items():
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for label, m in ms.items():
-            ax.scatter(m["latency_s"], m["pass@1"], s=40, label=label)
-        ax.set(
-            xlabel="latency per problem (s)",
-            ylabel="pass@1",
-            ylim=(-0.05, 1.05),
-            title=f"{bench}: accuracy vs latency",
-        )
-        ax.legend(fontsize=7, loc="best")
+    figures = {f"pass_vs_latency-{bench}": _pass_vs_latency(plt, bench, ms) for bench, ms in metrics.items()}
+    figures["tps"] = _throughput(plt, metrics)
+    figures["acceptance_vs_ratio"] = _acceptance_vs_ratio(plt, rows)
+    paths = []
+    for name, fig in figures.items():
         fig.tight_layout()
-        paths.append(plots_dir / f"pass_vs_latency-{bench}.png")
+        paths.append(plots_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
+    return paths
+
+
+def _pass_vs_latency(plt: Any, bench: str, ms: dict[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for label, m in ms.items():
+        ax.scatter(m["latency_s"], m["pass@1"], s=40, label=label)
+    ax.set(
+        xlabel="latency per problem (s)",
+        ylabel="pass@1",
+        ylim=(-0.05, 1.05),
+        title=f"{bench}: accuracy vs latency",
+    )
+    ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def _throughput(plt: Any, metrics: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = sorted({label for ms in metrics.values() for label in ms})
     for j, bench in enumerate(metrics):
@@ -368,10 +401,10 @@ def write_plots(
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
     ax.set(ylabel="output tokens / s", title="throughput per method")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(plots_dir / "tps.png")
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
+    return fig
+
+
+def _acceptance_vs_ratio(plt: Any, rows: dict[tuple[str, str], list[dict]]) -> Any:
     ratios = [
         (min(s["p"] / s["q"], 3.0) if s["q"] else 3.0, s["author"] == "draft")
         for rs in rows.values()
@@ -387,11 +420,7 @@ def write_plots(
         )
         ax.legend()
     ax.set(xlabel="p / q (clipped at 3)", ylabel="steps", title="acceptance vs probe ratio")
-    fig.tight_layout()
-    paths.append(plots_dir / "acceptance_vs_ratio.png")
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
-    return paths
+    return fig
 
 
 def log_to_mlflow(
@@ -441,10 +470,14 @@ def log_to_mlflow(
                     mlflow.log_artifact(str(p), "plots")
 
 
-def stage(*, params: Params, pair: PairConfig, out: Path, plots: Path, metrics: Path) -> dict[str, Any]:
-    """Stage evaluate (the CLI's and dvc.yaml's entry): every method on the benchmarks; the summary is
-    also copied to ``metrics`` (the file DVC tracks). Returns the metrics."""
-    res = run_evaluate(params.evaluate, pair, out, plots, data_dir=params.ingest.data_dir)
+def stage(
+    *, params: Params, pair: PairConfig, probes: Path, out: Path, plots: Path, metrics: Path
+) -> dict[str, Any]:
+    """Stage evaluate (the CLI's and dvc.yaml's entry): every method on the benchmarks, SemanticSpec with
+    the probe versions the train stage recorded in ``probes``; the summary is also copied to ``metrics``
+    (the file DVC tracks). Returns the metrics."""
+    pins = read_pointers(probes) if PROBE_METHOD in params.evaluate.methods else None
+    res = run_evaluate(params.evaluate, pair, out, plots, data_dir=params.ingest.data_dir, pins=pins)
     metrics.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out / "metrics.json", metrics)
     return res

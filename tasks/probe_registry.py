@@ -1,18 +1,21 @@
-"""MLflow I/O: the pair's experiment, registering a probe and loading it back (with the model-fit check)."""
+"""MLflow I/O: the pair's experiment, registering a probe and loading it back (with the model-fit check).
+
+Probes are stored as safetensors weights + a JSON config (``semspec.models.probe.save_probe``), logged as
+run artifacts; the registry's versions point at them. Nothing here unpickles anything."""
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlflow
-import numpy as np
-import torch
 from mlflow.exceptions import MlflowException
 from torch import nn
 
-from semspec.models.names import CHAMPION, PROBE_ARTIFACT, experiment_name, registered_name
+from semspec.models.names import CHAMPION, experiment_name, registered_name
+from semspec.models.probe import WEIGHTS_FILE, load_probe_folder, sha256_of
 from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
@@ -35,60 +38,84 @@ def setup_experiment(pair: str) -> str:
     return exp_id
 
 
+POINTERS_FILE = "probes.json"  # in the train stage's DVC out: the stored probes that run made
+
+
+def read_pointers(folder: Path) -> dict[str, str]:
+    """``{"<role>-<variant>": version}`` of the registered probes a train run recorded in ``folder``."""
+    path = folder / POINTERS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: run the train stage (`dvc repro train`) first")
+    probes = json.loads(path.read_text(encoding="utf-8")).get("probes", {})
+    return {k: str(v["version"]) for k, v in probes.items() if v.get("version") is not None}
+
+
+@dataclass(frozen=True)
+class ProbeRef:
+    """Where a stored probe lives: its MLflow artifact URI (the one store of probe weights), its registry
+    name and version (None when not registered) and the sha256 of its weights file."""
+
+    name: str
+    version: str | None
+    source: str
+    sha256: str
+
+
 def register_probe(
-    probe: nn.Module,
+    folder: Path,
     pair: str,
     role: str,
     variant: str,
-    data: Any,
-    hashes: dict[str, str],
-    commit: str,
-    extra_tags: dict[str, str] | None = None,
-) -> str:
-    """Log ``probe`` to the active run, register it, tag the version and point ``champion`` at it.
-
-    ``extra_tags`` (e.g. the pipeline fingerprint) are added to the version's tags."""
+    tags: dict[str, str],
+    register: bool = True,
+) -> ProbeRef:
+    """Log a probe saved by ``save_probe`` in ``folder`` as artifacts of the active run (named after the
+    probe) and, with ``register``, create a registry version with ``tags`` and point ``champion`` at it.
+    The weights' sha256 is a version tag, checked whenever the probe is loaded."""
     name = registered_name(pair, role, variant)
-    shape = (1, data.num_layers, data.hidden_size) if variant == "mix" else (1, data.hidden_size)
-    info = mlflow.pytorch.log_model(
-        probe,
-        name=PROBE_ARTIFACT,
-        serialization_format="pickle",  # the default pt2 export fixes the batch size and cannot hold RandomProbe
-        registered_model_name=name,
-        input_example=np.zeros(shape, dtype=np.float32),
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "lightning"],
-    )
-    version = str(info.registered_model_version)
+    sha = sha256_of(folder / WEIGHTS_FILE)
+    mlflow.log_artifacts(str(folder), artifact_path=name)
+    source = mlflow.get_artifact_uri(name)
+    if not register:
+        return ProbeRef(name, None, source, sha)
     client = mlflow.MlflowClient()
-    tags = {
-        "model_id": data.model_id,
-        "hidden_size": str(data.hidden_size),
-        "feature": variant,
-        "pair": pair,
-        "role": role,
-        "git_commit": commit,
-        "data_hash": hashes["samples"],
-        "labels_hash": hashes["labels"],
-        **(extra_tags or {}),
-    }
-    for k, v in tags.items():
-        client.set_model_version_tag(name, version, k, v)
-    client.set_registered_model_alias(name, CHAMPION, version)
-    return version
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name)
+    run = mlflow.active_run()
+    mv = client.create_model_version(
+        name, source, run_id=run.info.run_id if run else None, tags={**tags, "sha256": sha}
+    )
+    client.set_registered_model_alias(name, CHAMPION, mv.version)
+    return ProbeRef(name, str(mv.version), source, sha)
 
 
 def load_probe(
-    pair: str, role: str, variant: str, model_id: str, hidden_size: int, alias: str = CHAMPION
-) -> nn.Module:
-    """The registered probe ``semspec-<pair>-<role>-<variant>@alias``, after checking that it was trained
-    on the hidden states of ``model_id`` with ``hidden_size`` (a mismatch is a clear error)."""
+    pair: str,
+    role: str,
+    variant: str,
+    model_id: str,
+    hidden_size: int,
+    alias: str = CHAMPION,
+    version: str | None = None,
+) -> tuple[nn.Module, ProbeRef]:
+    """The registered probe ``semspec-<pair>-<role>-<variant>`` (``@alias``, or ``version`` when given),
+    after checking from its tags — before any weights are read — that it was trained on the hidden
+    states of ``model_id`` with ``hidden_size``; its weights must match the sha256 tag. Every mismatch,
+    a pickle-format (old) version and a tampered file are clear ``ValueError``s."""
     name = registered_name(pair, role, variant)
     client = mlflow.MlflowClient()
+    which = f" v{version}" if version else f"@{alias}"
     try:
-        mv = client.get_model_version_by_alias(name, alias)
+        mv = (
+            client.get_model_version(name, version)
+            if version
+            else client.get_model_version_by_alias(name, alias)
+        )
     except MlflowException:
         raise ValueError(
-            f"no registered probe {name}@{alias} in {mlflow.get_tracking_uri()}: train it with "
+            f"no registered probe {name}{which} in {mlflow.get_tracking_uri()}: train it with "
             f"`semspec train --pair {pair}` (or `dvc repro train`)"
         ) from None
     tags = mv.tags or {}
@@ -101,5 +128,12 @@ def load_probe(
             f"probe {name} v{mv.version} expects hidden size {tags.get('hidden_size')}, "
             f"the model has {hidden_size}"
         )
-    probe = mlflow.pytorch.load_model(f"models:/{name}@{alias}", map_location="cpu")
-    return probe.eval()
+    where = f"probe {name} v{mv.version}"
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
+    if "sha256" not in tags:  # versions registered before probes were stored as safetensors
+        load_probe_folder(folder, None, where)  # raises: names the pickle format and how to retrain
+        raise ValueError(
+            f"{where} has no sha256 tag: retrain the pair's probes (`semspec train --pair {pair}`)"
+        )
+    probe = load_probe_folder(folder, tags["sha256"], where)
+    return probe, ProbeRef(name, str(mv.version), mv.source, tags["sha256"])

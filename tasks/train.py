@@ -26,12 +26,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from semspec.models.pair import PairConfig
-from semspec.models.probe import ProbeMLP, RandomProbe
+from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.models.project import project_root
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
-from semspec.tasks.probe_registry import register_probe, setup_experiment
+from semspec.tasks.probe_registry import POINTERS_FILE, ProbeRef, register_probe, setup_experiment
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,19 @@ def fit_probe(
     probe.set_standardization(x[tr])
     train_dl = DataLoader(TensorDataset(x[tr], y[tr]), batch_size=cfg.batch_size, shuffle=True)
     val_dl = DataLoader(TensorDataset(x[va], y[va]), batch_size=1024)
+    state = _fit_best_state(probe, train_dl, val_dl, cfg, log_epochs)
+    best = ProbeMLP(**probe.hparams)  # a clean module (no trainer attached) with the best weights
+    best.load_state_dict(state)
+    bad = [k for k, t in best.state_dict().items() if not torch.isfinite(t).all()]
+    if bad:
+        raise RuntimeError(f"{role}/{variant} probe diverged (non-finite {', '.join(bad)}): lower train.lr")
+    return best.eval()
+
+
+def _fit_best_state(
+    probe: ProbeMLP, train_dl: DataLoader, val_dl: DataLoader, cfg: TrainConfig, log_epochs: bool
+) -> dict[str, torch.Tensor]:
+    """Lightning fit with early stopping on validation MSE; the weights of the best validation epoch."""
     ckpt_dir = tempfile.mkdtemp(prefix="semspec-probe-")
     ckpt = L.pytorch.callbacks.ModelCheckpoint(
         monitor="val_mse",
@@ -224,16 +237,11 @@ def fit_probe(
         default_root_dir=str(project_root() / ".cache" / "lightning"),
     )
     trainer.fit(probe, train_dl, val_dl)
-    best = ProbeMLP(**probe.hparams)  # a clean module (no trainer attached) with the best weights
     state = probe.state_dict()
     if ckpt.best_model_path:
         state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    best.load_state_dict(state)
-    bad = [k for k, t in best.state_dict().items() if not torch.isfinite(t).all()]
-    if bad:
-        raise RuntimeError(f"{role}/{variant} probe diverged (non-finite {', '.join(bad)}): lower train.lr")
-    return best.eval()
+    return state
 
 
 @torch.inference_mode()
@@ -252,6 +260,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+@dataclass
+class _Run:
+    """What every probe of one train stage run shares."""
+
+    cfg: TrainConfig
+    pair: PairConfig
+    plots_dir: Path
+    commit: str
+    fingerprint: dict[str, str]
+
+
 def run_train(
     cfg: TrainConfig,
     pair: PairConfig,
@@ -265,16 +284,20 @@ def run_train(
 ) -> dict[str, Any]:
     """Train, evaluate on the held-out questions, log to MLflow and register every probe.
 
-    ``fingerprint`` (``semspec.tasks.fingerprint.pipeline_fingerprint``) tags every run and registered version, so a
-    scheduled retrain can tell which pairs changed. Writes ``out_dir/<role>-<variant>.pt``, the test metrics to ``metrics_path`` and calibration plots
-    to ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
+    The probes are stored once, as MLflow run artifacts (safetensors + JSON) that the registry's versions
+    point at; ``out_dir/probes.json`` (the DVC out) records each one's name, version, URI and sha256, so
+    ``dvc repro`` and the registry name the same probes. ``fingerprint``
+    (``semspec.tasks.fingerprint.pipeline_fingerprint``) tags every run and version, so a scheduled retrain
+    can tell which pairs changed. Writes the test metrics to ``metrics_path`` and calibration plots to
+    ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
     """
     roles = roles or sorted(p.stem for p in labels_dir.glob("*.parquet"))
     if not roles:
         raise ValueError(f"no labels in {labels_dir}: run the cluster stage first")
     setup_experiment(pair.name)
-    commit = git_commit()
+    run = _Run(cfg, pair, plots_dir, git_commit(), fingerprint or {})
     all_metrics: dict[str, Any] = {}
+    pointers: dict[str, dict[str, Any]] = {}
     for role in roles:
         data = load_probe_data(samples_dir / role, labels_dir / f"{role}.parquet", cfg.variants)
         masks = split_by_question(data.question_id, cfg.val_fraction, cfg.test_fraction, cfg.seed)
@@ -284,67 +307,86 @@ def run_train(
         }
         all_metrics[role] = {}
         for variant in cfg.variants:
-            tags = {
-                "stage": "train",
-                "pair": pair.name,
-                "role": role,
-                "variant": variant,
-                "model_id": data.model_id,
-                "git_commit": commit,
-                **(fingerprint or {}),
-            }
-            with mlflow.start_run(run_name=f"probe-{role}-{variant}", tags=tags):
-                mlflow.log_params(
-                    {
-                        "pair": pair.name,
-                        "role": role,
-                        "variant": variant,
-                        "feature": FEATURE_COLUMN.get(variant, "none"),
-                        "hidden": cfg.hidden(role) if variant != "random" else [],
-                        "lr": cfg.lr,
-                        "betas": cfg.betas,
-                        "weight_decay": cfg.weight_decay,
-                        "batch_size": cfg.batch_size,
-                        "seed": cfg.seed,
-                        "max_epochs": cfg.max_epochs,
-                        "patience": cfg.patience,
-                        "samples_hash": hashes["samples"],
-                        "labels_hash": hashes["labels"],
-                        "n_train": int(masks["train"].sum()),
-                        "n_val": int(masks["val"].sum()),
-                        "n_test": int(masks["test"].sum()),
-                    }
-                )
-                probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
-                te = masks["test"]
-                pred = predict(probe, data.x[variant][te])
-                metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
-                mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if np.isfinite(v)})
-                fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {variant}")
-                plots_dir.mkdir(parents=True, exist_ok=True)
-                fig.savefig(plots_dir / f"calibration-{role}-{variant}.png", dpi=90)
-                mlflow.log_figure(fig, "calibration.png")
-                out_dir.mkdir(parents=True, exist_ok=True)
-                torch.save(
-                    {
-                        "state_dict": probe.state_dict(),
-                        "variant": variant,
-                        "role": role,
-                        "hparams": dict(getattr(probe, "hparams", {})),
-                        "model_id": data.model_id,
-                    },
-                    out_dir / f"{role}-{variant}.pt",
-                )
-                if cfg.register:
-                    version = register_probe(
-                        probe, pair.name, role, variant, data, hashes, commit, fingerprint
-                    )
-                    metrics["registered_version"] = int(version)
-                all_metrics[role][variant] = metrics
-                log.info("train[%s/%s]: %s", role, variant, {k: round(v, 4) for k, v in metrics.items()})
+            metrics, ref = _train_probe(run, data, masks, hashes, role, variant)
+            all_metrics[role][variant] = metrics
+            pointers[f"{role}-{variant}"] = asdict(ref)
+            log.info("train[%s/%s]: %s", role, variant, {k: round(v, 4) for k, v in metrics.items()})
     write_json_atomic(all_metrics, metrics_path)
-    write_json_atomic({"params": asdict(cfg), "roles": roles}, out_dir / "_manifest.json")
+    write_json_atomic({"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir / POINTERS_FILE)
     return all_metrics
+
+
+def _train_probe(
+    run: _Run, data: ProbeData, masks: dict[str, np.ndarray], hashes: dict[str, str], role: str, variant: str
+) -> tuple[dict[str, float], ProbeRef]:
+    """One probe in its own MLflow run: log its params, fit it, test it, plot its calibration, store and
+    register it. Returns its test metrics and where it is stored."""
+    cfg, pair = run.cfg, run.pair
+    tags = {
+        "stage": "train",
+        "pair": pair.name,
+        "role": role,
+        "variant": variant,
+        "model_id": data.model_id,
+        "git_commit": run.commit,
+        **run.fingerprint,
+    }
+    with mlflow.start_run(run_name=f"probe-{role}-{variant}", tags=tags):
+        mlflow.log_params(_probe_params(cfg, pair, role, variant, hashes, masks))
+        probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
+        te = masks["test"]
+        pred = predict(probe, data.x[variant][te])
+        metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
+        mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if np.isfinite(v)})
+        fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {variant}")
+        run.plots_dir.mkdir(parents=True, exist_ok=True)
+        fig.savefig(run.plots_dir / f"calibration-{role}-{variant}.png", dpi=90)
+        mlflow.log_figure(fig, "calibration.png")
+        version_tags = {
+            "model_id": data.model_id,
+            "hidden_size": str(data.hidden_size),
+            "feature": variant,
+            "pair": pair.name,
+            "role": role,
+            "git_commit": run.commit,
+            "data_hash": hashes["samples"],
+            "labels_hash": hashes["labels"],
+            **run.fingerprint,
+        }
+        with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
+            save_probe(probe, Path(tmp))
+            ref = register_probe(Path(tmp), pair.name, role, variant, version_tags, cfg.register)
+    if ref.version is not None:
+        metrics["registered_version"] = int(ref.version)
+    return metrics, ref
+
+
+def _probe_params(
+    cfg: TrainConfig,
+    pair: PairConfig,
+    role: str,
+    variant: str,
+    hashes: dict[str, str],
+    masks: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """The MLflow params of one probe's training run."""
+    return {
+        "pair": pair.name,
+        "role": role,
+        "variant": variant,
+        "feature": FEATURE_COLUMN.get(variant, "none"),
+        "hidden": cfg.hidden(role) if variant != "random" else [],
+        "lr": cfg.lr,
+        "betas": cfg.betas,
+        "weight_decay": cfg.weight_decay,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "max_epochs": cfg.max_epochs,
+        "patience": cfg.patience,
+        "samples_hash": hashes["samples"],
+        "labels_hash": hashes["labels"],
+        **{f"n_{k}": int(masks[k].sum()) for k in ("train", "val", "test")},
+    }
 
 
 def stage(

@@ -27,7 +27,9 @@ def free_port() -> int:
 
 
 def copy_project(dest: Path, profile: str = "tiny", pair: str = "embedded") -> Path:
-    """Copy the pipeline into ``dest`` with ``pair`` and ``profile`` as params.yaml's; a DVC repo without git."""
+    """Copy the pipeline into ``dest`` with ``pair`` and ``profile`` as params.yaml's; a DVC repo without git.
+    The copy configures ``pair`` only: a scheduled retrain there must not train every real pair of the
+    repository (the reasoning pairs' 1.5B target takes minutes per stage on a CPU)."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         src = ROOT / name
@@ -35,6 +37,9 @@ def copy_project(dest: Path, profile: str = "tiny", pair: str = "embedded") -> P
             shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dest / name)
+    for other in (dest / "conf" / "pairs").glob("*.yaml"):
+        if other.stem != pair:
+            other.unlink()
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["profile"] = profile
     params["pair"] = pair

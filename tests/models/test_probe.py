@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
 from semspec.models.lm import Pooled
-from semspec.models.probe import ProbeMLP, RandomProbe, probe_probability
+from semspec.models.probe import ProbeMLP, RandomProbe, load_probe_folder, probe_probability, save_probe
 
 
 def test_mlp_probe_outputs_probabilities():
@@ -68,9 +66,57 @@ def test_bad_probe_arguments(kwargs, msg):
         ProbeMLP(**args)
 
 
-def test_random_probe_is_uniform_seeded_and_pickles():
+def test_random_probe_is_uniform_and_seeded():
     p = RandomProbe(8, seed=3)
     a = p(torch.zeros(1000, 8))
     assert 0.45 < float(a.mean()) < 0.55 and a.min() >= 0 and a.max() < 1
-    q = pickle.loads(pickle.dumps(RandomProbe(8, seed=3)))
-    assert torch.equal(q(torch.zeros(10, 8)), RandomProbe(8, seed=3)(torch.zeros(10, 8)))
+    assert torch.equal(RandomProbe(8, seed=3)(torch.zeros(10, 8)), RandomProbe(8, seed=3)(torch.zeros(10, 8)))
+    assert not torch.equal(
+        RandomProbe(8, seed=4)(torch.zeros(10, 8)), RandomProbe(8, seed=3)(torch.zeros(10, 8))
+    )
+
+
+@pytest.mark.parametrize("feature", ["last", "mix"])
+def test_a_stored_probe_loads_back_identical(tmp_path, feature):
+    layers = 3 if feature == "mix" else None
+    probe = ProbeMLP(8, [4], feature, layers)
+    shape = (5, 3, 8) if feature == "mix" else (5, 8)
+    probe.set_standardization(torch.randn(*shape) * 3 + 1)
+    sha = save_probe(probe, tmp_path)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["probe.json", "probe.safetensors"]
+    back = load_probe_folder(tmp_path, sha)
+    x = torch.randn(*shape)
+    assert torch.equal(back(x), probe.eval()(x))
+    assert torch.equal(back.mu, probe.mu) and torch.equal(back.sigma, probe.sigma)
+    rnd = tmp_path / "random"
+    save_probe(RandomProbe(8, seed=5), rnd)
+    assert torch.equal(load_probe_folder(rnd)(torch.zeros(4, 8)), RandomProbe(8, seed=5)(torch.zeros(4, 8)))
+
+
+def test_a_tampered_or_broken_probe_is_a_clean_error(tmp_path):
+    sha = save_probe(ProbeMLP(8, [4]), tmp_path)
+    weights = tmp_path / "probe.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in a weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="does not match its recorded sha256"):
+        load_probe_folder(tmp_path, sha)
+    weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a valid probe"):
+        load_probe_folder(tmp_path)
+    save_probe(ProbeMLP(8, [4]), tmp_path)
+    (tmp_path / "probe.json").write_text(
+        '{"format": 1, "kind": "mlp", "feature": "all", "input_dim": 16, '
+        '"hidden": [4], "num_layers": null, "lr": 0.001, "betas": [0.9, 0.95], '
+        '"weight_decay": 0.01}'
+    )
+    with pytest.raises(ValueError, match="not a valid probe"):  # the weights do not fit the config
+        load_probe_folder(tmp_path)
+
+
+def test_a_pickle_format_probe_is_refused_before_anything_is_unpickled(tmp_path):
+    (tmp_path / "MLmodel").write_text("flavors: {pytorch: {}}\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "model.pth").write_bytes(b"\x80\x04 a pickle that must never be opened")
+    with pytest.raises(ValueError, match=r"pickle-format probe.*retrain"):
+        load_probe_folder(tmp_path)

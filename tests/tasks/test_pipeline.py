@@ -212,14 +212,17 @@ def test_train_registers_eight_champion_probes(stages, trained):
 def test_registry_round_trip_and_mismatch(stages, trained):
     from semspec.models.lm import Pooled
     from semspec.models.probe import probe_probability
-    from semspec.tasks.probe_registry import load_probe
+    from semspec.tasks.probe_registry import load_probe, read_pointers
 
-    probe = load_probe("tiny", "target", "mix", "tiny-target", 64)
+    probe, ref = load_probe("tiny", "target", "mix", "tiny-target", 64)
     pooled = Pooled(torch.randn(3, 64))
     assert 0 < probe_probability(probe, pooled) < 1
-    saved = torch.load(stages["tmp"] / "probes" / "target-mix.pt", weights_only=False)
-    for k, v in saved["state_dict"].items():
-        assert torch.equal(probe.state_dict()[k], v)
+    pointers = json.loads((stages["tmp"] / "probes" / "probes.json").read_text())["probes"]
+    assert len(pointers) == 8 and pointers["target-mix"]["sha256"] == ref.sha256
+    assert read_pointers(stages["tmp"] / "probes")["target-mix"] == ref.version  # DVC out -> registry
+    assert not list((stages["tmp"] / "probes").glob("*.pt")), "weights live in one store, MLflow"
+    pinned, pinned_ref = load_probe("tiny", "target", "mix", "tiny-target", 64, version=ref.version)
+    assert pinned_ref == ref and torch.equal(pinned(pooled.h_layers[None]), probe(pooled.h_layers[None]))
     with pytest.raises(ValueError, match="trained on 'tiny-target', not on 'other-model'"):
         load_probe("tiny", "target", "all", "other-model", 64)
     with pytest.raises(ValueError, match="expects hidden size 64, the model has 640"):
@@ -228,6 +231,40 @@ def test_registry_round_trip_and_mismatch(stages, trained):
         ValueError, match=r"no registered probe semspec-nope-draft-all@champion.*semspec train"
     ):
         load_probe("nope", "draft", "all", "x", 1)
+
+
+def test_a_tampered_registered_probe_fails_cleanly(stages, trained):
+    from semspec.tasks.probe_registry import load_probe
+
+    _, ref = load_probe("tiny", "draft", "last", "tiny-draft", 32)
+    stored = Path(ref.source.removeprefix("file://")) / "probe.safetensors"
+    original = stored.read_bytes()
+    try:
+        stored.write_bytes(original[:-4] + b"\x00\x00\x00\x00")
+        with pytest.raises(
+            ValueError, match=r"semspec-tiny-draft-last v\d+.*does not match its recorded sha256"
+        ):
+            load_probe("tiny", "draft", "last", "tiny-draft", 32)
+    finally:
+        stored.write_bytes(original)
+
+
+def test_an_old_pickle_format_version_is_refused_with_how_to_retrain(stages, trained):
+    import mlflow
+    from torch import nn
+
+    from semspec.tasks.probe_registry import load_probe
+
+    client = mlflow.MlflowClient()
+    name = "semspec-tiny-draft-all"
+    with mlflow.start_run(run_name="old-format"):
+        info = mlflow.pytorch.log_model(nn.Linear(32, 1), name="probe", serialization_format="pickle")
+    mv = client.create_model_version(
+        name, info.model_uri, tags={"model_id": "tiny-draft", "hidden_size": "32"}
+    )
+    with pytest.raises(ValueError, match=r"pickle-format probe.*retrain"):
+        load_probe("tiny", "draft", "all", "tiny-draft", 32, version=mv.version)
+    client.delete_model_version(name, mv.version)
 
 
 def test_sample_stage_through_ray_actors(tmp_path):
@@ -351,8 +388,8 @@ def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
     from semspec.models.probe import probe_probability
     from semspec.tasks.probe_registry import load_probe
 
-    q = load_probe("tiny", "draft", "random", "tiny-draft", 32)
-    p = load_probe("tiny", "target", "random", "tiny-target", 64)
+    q, _ = load_probe("tiny", "draft", "random", "tiny-draft", 32)
+    p, _ = load_probe("tiny", "target", "random", "tiny-target", 64)
     qs = [probe_probability(q, Pooled(torch.zeros(3, 32))) for _ in range(20)]
     ps = [probe_probability(p, Pooled(torch.zeros(3, 64))) for _ in range(20)]
     assert qs != ps, "p == q would accept every step: the Random ablation must draw independently"
