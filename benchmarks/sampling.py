@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from models.lm import load_lm
-from models.spec import load_pair
-from tasks.data import build_prefixes, generate_arith, split_steps
+from semspec.models.lm import load_lm
+from semspec.models.project import load_pair
+from semspec.tasks.data import build_prefixes, generate_arith, split_steps
 
 
 def main() -> None:
