@@ -50,6 +50,7 @@ class DecodeSettings:
     gamma: int = 1  # steps drafted before verification (paper default 1)
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
+    salvage: bool = False  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
     benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
 
@@ -81,6 +82,7 @@ class StepRecord:
     u: float | None = None  # the acceptance draw
     score: int | None = None  # specreason's 0-9 score
     proposal: str | None = None  # a rejected draft step (what the target rewrote)
+    salvaged: int = 0  # target tokens of the rejected proposal that the rewrite kept (salvage)
 
 
 @dataclass
@@ -210,15 +212,21 @@ def _target_rewrites(
     proposal: str,
     budget: int,
     seed: int,
+    written: tuple[StepSample, LMState, int] | None = None,
     **why: float | int | None,
 ) -> tuple[LMState, LMState]:
     """A rejected proposal: the target writes the step itself from its state before the proposal
-    (``states[1]``); the draft rolls back to its checkpoint (``states[0]``), re-reads the steps of the
-    round that were accepted (``replay``) and reads the target's step. The step goes into ``res`` with
+    (``states[1]``), unless ``written`` already holds its step, state and the number of tokens kept from
+    the proposal (salvage); the draft rolls back to its checkpoint (``states[0]``), re-reads the steps of
+    the round that were accepted (``replay``) and reads the target's step. The step goes into ``res`` with
     ``why`` (p, q, u or a score); returns the (draft, target) states after it."""
     d_restore, tstate = states
-    with _Clock(res.timings, "target"):
-        tstep, tstate = target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
+    salvaged = 0
+    if written is not None:
+        tstep, tstate, salvaged = written
+    else:
+        with _Clock(res.timings, "target"):
+            tstep, tstate = target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
     with _Clock(res.timings, "draft"):
         dstate = d_restore()
         for text in replay:
@@ -227,7 +235,15 @@ def _target_rewrites(
         if tstep.text:
             dstate = draft.prefill(tstep.text, dstate)
     res.add(
-        StepRecord("target", tstep.text, len(dstate.ids) - before, tstep.num_tokens, proposal=proposal, **why)
+        StepRecord(
+            "target",
+            tstep.text,
+            len(dstate.ids) - before,
+            tstep.num_tokens,
+            proposal=proposal,
+            salvaged=salvaged,
+            **why,
+        )
     )
     res.output_tokens += tstep.num_tokens
     if tstep.finish_reason == "eos" or not tstep.text:
@@ -333,8 +349,8 @@ class SemanticSpecDecoder:
         d_restore, dstate = draft_states
         for i, step in enumerate(proposals):
             t_restore = tstate.checkpoint(_step_budget(self.settings, self.target, 0) * 2 + 8)
-            score, why = self._judge(step, tstate, res, rng)
-            if score is not None:  # accepted: the target's cache already holds the step
+            score, accepted, why = self._judge(step, tstate, res, rng)
+            if accepted:  # the target's cache already holds the step
                 tstate = score.state
                 res.add(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), **why))
                 res.output_tokens += len(score.token_ids)
@@ -344,16 +360,18 @@ class SemanticSpecDecoder:
                 continue
             budget = _step_budget(self.settings, self.target, res.output_tokens)
             replay = [prev.text for prev in proposals[:i]]
+            written = self._salvage(tstate, score, budget, seed, res) if score is not None else None
             dstate, tstate = _target_rewrites(
                 self.draft,
                 self.target,
                 self.settings,
                 res,
-                (d_restore, t_restore()),
+                (d_restore, tstate if written else t_restore()),
                 replay,
                 step.text,
                 budget,
                 seed,
+                written,
                 **why,
             )
             seed += 1
@@ -362,10 +380,10 @@ class SemanticSpecDecoder:
 
     def _judge(
         self, step: StepSample, tstate: LMState, res: DecodeResult, rng: random.Random
-    ) -> tuple[StepScore | None, dict[str, float]]:
+    ) -> tuple[StepScore | None, bool, dict[str, float]]:
         """The target prefills the step on its cache (in place) and the probes give q and p; the step is
         accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set). Returns the target's score
-        of the step when accepted (else None) and ``{p, q, u}``."""
+        of the step (None for an empty step), whether it was accepted, and ``{p, q, u}``."""
         s, tm = self.settings, res.timings
         with _Clock(tm, "probe"):
             q = self.q_probe(step.pooled)
@@ -381,7 +399,21 @@ class SemanticSpecDecoder:
         accept = score is not None and u < min(1.0, ratio)
         if accept and s.min_ratio is not None and ratio < s.min_ratio:
             accept = False
-        return (score if accept else None), {"p": p, "q": q, "u": u}
+        return score, accept, {"p": p, "q": q, "u": u}
+
+    def _salvage(
+        self, tstate: LMState, score: StepScore, budget: int, seed: int, res: DecodeResult
+    ) -> tuple[StepSample, LMState, int] | None:
+        """With ``salvage`` (greedy only): keep the longest prefix of the rejected step that the target
+        would have written itself (its argmax at every position, from the verification prefill) and let
+        the target continue from there. The result equals the target's own greedy step, token for token.
+        None when salvage is off, sampling, or the cache cannot be cropped (the step is then rewritten)."""
+        if not self.settings.salvage or self.settings.temperature > 0:
+            return None
+        with _Clock(res.timings, "target"):
+            keep = self.target.greedy_agreement(score)
+            out = self.target.continue_after(tstate, score, keep, budget, seed)
+        return None if out is None else (*out, min(keep, out[0].num_tokens))
 
 
 VERIFY_PROMPT = "\n\nIs the previous step correct? Rate it from 0 (wrong) to 9 (certainly correct). Rating:"

@@ -133,6 +133,7 @@ class StepScore:
     token_ids: list[int]
     logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model (empty when not asked for)
     state: LMState  # the context extended by the step
+    pred_hidden: torch.Tensor | None = None  # (k, L+1, D) outputs at the positions predicting each token
 
 
 class LM:
@@ -272,7 +273,64 @@ class LM:
             # 2. per-token log-probs of the step's tokens
             pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
             lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state)
+        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state, pos_hidden)
+
+    @torch.inference_mode()
+    def greedy_agreement(self, score: StepScore) -> int:
+        """How many leading tokens of a scored step are the model's own greedy choices: the output head
+        runs over the positions that predicted the step's tokens (only when asked: it costs a head pass
+        per token)."""
+        if score.pred_hidden is None or not score.token_ids:
+            return 0
+        head = self.model.get_output_embeddings()
+        last = score.pred_hidden[:, -1].to(head.weight.dtype)  # (k, D): the final layer, after its norm
+        argmax = head(last.to(self.device)).argmax(-1).cpu()  # (k,)
+        same = argmax == torch.tensor(score.token_ids)
+        return int(same.long().cumprod(0).sum())
+
+    @torch.inference_mode()
+    def continue_after(
+        self,
+        context: LMState,
+        score: StepScore,
+        keep: int,
+        max_tokens: int,
+        seed: int | None = None,
+    ) -> tuple[StepSample, LMState] | None:
+        """Greedily write the step that starts with the first ``keep`` tokens of the scored step (the
+        model's own greedy choices, see ``greedy_agreement``) and continues from there, reusing the cache
+        the scoring filled: ``score.state`` is consumed. The result is what ``decode_step(context)`` would
+        write greedily, token for token (the stop rules see the kept tokens too). None, with the cache
+        untouched, when a sliding-window layer may have dropped positions (restore and decode instead)."""
+        st, n, ids = score.state, len(context.ids), score.token_ids[:keep]
+        windows = [getattr(layer, "sliding_window", None) for layer in getattr(st.cache, "layers", [])]
+        if score.pred_hidden is None or any(w is not None and len(st.ids) >= int(w) - 1 for w in windows):
+            return None
+        # 1. the kept tokens may already end the step (a delimiter, EOS, the budget)
+        for i in range(1, min(keep, max_tokens) + 1):
+            done = self._check_stop(ids[:i])
+            if done is not None or i == max_tokens:
+                text, reason = done or (self.tokenizer.decode(ids[:i], skip_special_tokens=True), "length")
+                self._crop_to(st.cache, n + i - 1)
+                sample = StepSample(text, ids[:i], reason, Pooled(score.pred_hidden[:i].mean(0)), 0.0)
+                return self._step_state(context, sample, st.cache)
+        # 2. continue after them: outputs at the position predicting token ``keep``
+        self._crop_to(st.cache, n + keep)
+        if keep < len(score.token_ids):
+            hidden = score.pred_hidden[keep]  # (L+1, D)
+            head = self.model.get_output_embeddings()
+            logits = head(hidden[-1].to(head.weight.dtype).to(self.device)).float().cpu()  # (V,)
+        else:
+            logits, hidden = st.logits, st.hidden
+        start = LMState(context.text, context.ids, st.cache, logits, hidden)
+        samples, cache = self._sample_loop(start, st.cache, 1, 0.0, 1.0, max_tokens - keep, seed, prefix=ids)
+        return self._step_state(context, samples[0], cache)
+
+    @staticmethod
+    def _crop_to(cache: Cache, length: int) -> None:
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
 
     # ----------------------------------------------------------------------------------- sampling
     @torch.inference_mode()
@@ -325,8 +383,11 @@ class LM:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         samples, cache = self._sample_loop(state, state.cache, 1, temperature, top_p, max_tokens, seed)
-        s = samples[0]
-        k = len(s.token_ids)  # the cache now holds state.ids + s.token_ids[:-1]
+        return self._step_state(state, samples[0], cache)
+
+    def _step_state(self, state: LMState, s: StepSample, cache: Cache) -> tuple[StepSample, LMState]:
+        """``state`` extended by step ``s``, given a ``cache`` that holds ``state.ids + s.token_ids[:-1]``."""
+        k = len(s.token_ids)
         exact = (
             s.finish_reason != "eos"
             and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
@@ -352,9 +413,12 @@ class LM:
         top_p: float,
         max_tokens: int,
         seed: int | None,
+        prefix: list[int] | None = None,
     ) -> tuple[list[StepSample], Cache]:
         """The batched decode loop behind ``generate_step`` and ``decode_step``; ``cache`` holds the
-        context ``n`` times and is advanced in place."""
+        context ``n`` times and is advanced in place. ``prefix``: tokens of the step already in the cache
+        (after ``state.ids``; ``state``'s outputs are those at the last of them): the stop rules and the
+        returned tokens include them, ``max_tokens`` counts the new ones."""
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
         warpers = _warpers(temperature, top_p)
@@ -363,7 +427,7 @@ class LM:
         rows = list(range(n))  # batch row -> sample index
         hsum = torch.zeros(n, self.num_layers + 1, self.hidden_size)  # (n, L+1, D)
         lp_sum = torch.zeros(n)
-        tokens: list[list[int]] = [[] for _ in range(n)]
+        tokens: list[list[int]] = [list(prefix or []) for _ in range(n)]
         texts, reasons = [""] * n, ["length"] * n
         for t in range(max_tokens):
             # 1. pool the position that predicts the token about to be sampled
@@ -393,7 +457,7 @@ class LM:
         for i in range(n):
             if reasons[i] == "length":
                 texts[i] = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-            pooled = Pooled(hsum[i] / len(tokens[i]))
+            pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - len(prefix or [])))
             samples.append(StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])))
         return samples, cache
 

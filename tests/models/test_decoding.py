@@ -127,3 +127,61 @@ def test_result_fields_and_answer_extraction(pair):
 def test_bad_settings(kwargs):
     with pytest.raises(ValueError):
         DecodeSettings(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------- salvage
+SALVAGE = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, salvage=True)
+
+
+def _near_copy(noise: float):
+    """The target's tiny model with its weights perturbed: its greedy steps agree with the target's for a
+    while, then drift (a draft whose rejected steps have something to salvage)."""
+    import torch
+
+    lm = tiny_lm(merged=False, seed=1, boost=2.0, max_step_tokens=8)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return lm
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_salvage_with_always_reject_still_reproduces_the_target_token_for_token(pair, noise):
+    _, target = pair
+    draft = _near_copy(noise)
+    ref = SingleModelDecoder(target, SETTINGS, "target").decode(Q)
+    res = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.0, SALVAGE).decode(Q)
+    assert [s.text for s in res.steps] == [s.text for s in ref.steps]
+    assert res.output_tokens == ref.output_tokens and all(s.author == "target" for s in res.steps)
+    salvaged = [s.salvaged for s in res.steps]
+    if noise == 0.0:  # the draft is the target: every rejected step is kept whole
+        assert salvaged == [s.target_tokens for s in res.steps]
+    else:
+        assert all(0 <= k <= s.target_tokens for k, s in zip(salvaged, res.steps, strict=True))
+
+
+def test_salvage_keeps_part_of_a_step_and_the_target_writes_the_rest(pair):
+    _, target = pair
+    res = SemanticSpecDecoder(_near_copy(0.3), target, lambda h: 1.0, lambda h: 0.0, SALVAGE).decode(Q)
+    partial = [s for s in res.steps if 0 < s.salvaged < s.target_tokens]
+    assert partial, f"expected a partly kept step, got {[(s.salvaged, s.target_tokens) for s in res.steps]}"
+
+
+def test_salvage_changes_no_output_with_mixed_decisions(pair):
+    draft, target = pair
+    out = []
+    for salvage in (False, True):
+        probs = iter([0.9, 0.05] * 50)
+        settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3, salvage=salvage)
+        p_probe = lambda h, probs=probs: next(probs)  # noqa: E731
+        res = SemanticSpecDecoder(draft, target, lambda h: 0.5, p_probe, settings).decode(Q)
+        out.append([(s.author, s.text) for s in res.steps])
+    assert out[0] == out[1]
+
+
+def test_salvage_is_off_when_sampling(pair):
+    _, target = pair
+    settings = DecodeSettings(max_new_tokens=24, step_tokens=8, temperature=0.8, salvage=True)
+    res = SemanticSpecDecoder(_near_copy(0.0), target, lambda h: 1.0, lambda h: 0.0, settings).decode(Q)
+    assert all(s.salvaged == 0 for s in res.steps)
