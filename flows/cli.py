@@ -410,6 +410,9 @@ def bench(
     probe: Annotated[
         list[str] | None, typer.Option(help="Probe variants for SemanticSpec (repeat; default: all four).")
     ] = None,
+    salvage: Annotated[
+        bool, typer.Option(help="Also run each SemanticSpec variant with rejected steps salvaged.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
@@ -431,7 +434,7 @@ def bench(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
     settings = DecodeSettings(max_new_tokens=max_new_tokens)
-    summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants)
+    summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants, salvage)
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -24,9 +25,11 @@ def bench_methods(
     settings: DecodeSettings,
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
+    salvage: bool = False,
 ) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """(label, decoder) for target, token-level speculative sampling (one vocabulary only), transformers'
-    assisted generation and SemanticSpec with every registered probe; and the labels skipped, with why."""
+    assisted generation and SemanticSpec with every registered probe (with ``salvage`` each also as
+    ``<label>+salvage``, rejected steps salvaged, in the same run); and the labels skipped, with why."""
     out = [("target", build_decoder("target", pair, lms, settings))]
     skipped: dict[str, str] = {}
     try:
@@ -38,6 +41,10 @@ def bench_methods(
     for v in variants:
         try:
             out.append((method_label(PROBE_METHOD, v), build_decoder(PROBE_METHOD, pair, lms, settings, v)))
+            if salvage:
+                with_salvage = replace(settings, salvage=True)
+                dec = build_decoder(PROBE_METHOD, pair, lms, with_salvage, v)
+                out.append((f"{method_label(PROBE_METHOD, v)}+salvage", dec))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
             skipped[method_label(PROBE_METHOD, v)] = str(e)
     for label, why in skipped.items():
@@ -72,6 +79,9 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
             "target_share": statistics.mean(r.target_share for r in rs),
             "prefill_per_output_token": statistics.mean(r.prefill_per_output_token for r in rs),
         }
+        salvaged = sum(st.salvaged for r in rs for st in r.steps)
+        if salvaged:  # target tokens of rejected steps kept from the proposal instead of decoded
+            out[m]["salvaged_share"] = salvaged / max(1, sum(r.target_tokens for r in rs))
         tok_acc = [r.extra["token_acceptance_rate"] for r in rs if "token_acceptance_rate" in r.extra]
         if tok_acc:
             out[m]["token_acceptance"] = statistics.mean(tok_acc)
@@ -86,11 +96,12 @@ def run_bench(
     seed: int = 0,
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
+    salvage: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants)
+    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, salvage)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:
