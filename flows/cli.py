@@ -410,8 +410,9 @@ def bench(
     probe: Annotated[
         list[str] | None, typer.Option(help="Probe variants for SemanticSpec (repeat; default: all four).")
     ] = None,
-    salvage: Annotated[
-        bool, typer.Option(help="Also run each SemanticSpec variant with rejected steps salvaged.")
+    salvage: Annotated[bool, typer.Option(help="SemanticSpec salvages rejected steps (greedy).")] = True,
+    both_salvage: Annotated[
+        bool, typer.Option("--both-salvage", help="Also run each SemanticSpec variant the other way.")
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
@@ -433,8 +434,8 @@ def bench(
         raise typer.BadParameter(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
-    settings = DecodeSettings(max_new_tokens=max_new_tokens)
-    summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants, salvage)
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, salvage=salvage)
+    summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants, both_salvage)
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 
 

@@ -50,7 +50,7 @@ class DecodeSettings:
     gamma: int = 1  # steps drafted before verification (paper default 1)
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
-    salvage: bool = False  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
+    salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
     benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
 
@@ -306,7 +306,12 @@ class SemanticSpecDecoder:
     ) -> None:
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe
-        self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256), for run keys
+        self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
+
+    @property
+    def run_identity(self) -> dict:
+        """What, beyond the evaluation settings, decides this decoder's rows: the probes and salvage."""
+        return {"probes": self.probe_ids, "salvage": self.settings.salvage and self.settings.temperature == 0}
 
     def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
         """Rounds of: the draft proposes up to gamma steps, the target verifies them in order with the

@@ -25,11 +25,12 @@ def bench_methods(
     settings: DecodeSettings,
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
-    salvage: bool = False,
+    both_salvage: bool = False,
 ) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """(label, decoder) for target, token-level speculative sampling (one vocabulary only), transformers'
-    assisted generation and SemanticSpec with every registered probe (with ``salvage`` each also as
-    ``<label>+salvage``, rejected steps salvaged, in the same run); and the labels skipped, with why."""
+    assisted generation and SemanticSpec with every registered probe (with ``both_salvage`` each also
+    the other way, ``<label>/no-salvage`` or ``<label>/salvage``, in the same run); and the labels
+    skipped, with why."""
     out = [("target", build_decoder("target", pair, lms, settings))]
     skipped: dict[str, str] = {}
     try:
@@ -41,10 +42,10 @@ def bench_methods(
     for v in variants:
         try:
             out.append((method_label(PROBE_METHOD, v), build_decoder(PROBE_METHOD, pair, lms, settings, v)))
-            if salvage:
-                with_salvage = replace(settings, salvage=True)
-                dec = build_decoder(PROBE_METHOD, pair, lms, with_salvage, v)
-                out.append((f"{method_label(PROBE_METHOD, v)}+salvage", dec))
+            if both_salvage:
+                other = replace(settings, salvage=not settings.salvage)
+                dec = build_decoder(PROBE_METHOD, pair, lms, other, v)
+                out.append((f"{method_label(PROBE_METHOD, v)}/{'' if other.salvage else 'no-'}salvage", dec))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
             skipped[method_label(PROBE_METHOD, v)] = str(e)
     for label, why in skipped.items():
@@ -96,12 +97,12 @@ def run_bench(
     seed: int = 0,
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
-    salvage: bool = False,
+    both_salvage: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, salvage)
+    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, both_salvage)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:

@@ -221,7 +221,7 @@ def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> 
             "evaluate": settings,
             "pair": spec,
             "label": label,
-            "probes": getattr(decoder, "probe_ids", None),
+            "probes": getattr(decoder, "run_identity", None),
         }
     )
 
