@@ -18,16 +18,19 @@ cropped away; nothing re-prefills the whole context.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
 
 from semspec.models.grading import extract_answer
-from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore
+from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to
+from semspec.models.names import ROLES
 
 
 class MethodNotApplicable(ValueError):
@@ -53,6 +56,11 @@ class DecodeSettings:
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
     benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
+
+    @property
+    def salvages(self) -> bool:
+        """Whether rejected steps are salvaged: asked for, and greedy (the only exact case)."""
+        return self.salvage and self.temperature == 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -167,16 +175,20 @@ class Decoder(Protocol):
 
 
 class _Clock:
-    """Adds the elapsed time of a ``with`` block to one field of a Timings."""
+    """Adds the elapsed time of a ``with`` block to one field of every given Timings (each row of a
+    batch waited for the whole batched call)."""
 
-    def __init__(self, timings: Timings, name: str) -> None:
-        self.timings, self.name = timings, name
+    def __init__(self, timings: Timings | list[Timings], name: str) -> None:
+        self.timings = timings if isinstance(timings, list) else [timings]
+        self.name = name
 
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        setattr(self.timings, self.name, getattr(self.timings, self.name) + time.perf_counter() - self.t0)
+        dt = time.perf_counter() - self.t0
+        for tm in self.timings:
+            setattr(tm, self.name, getattr(tm, self.name) + dt)
 
 
 def finish_result(method: str, res: DecodeResult, t0: float, settings: DecodeSettings) -> DecodeResult:
@@ -188,109 +200,250 @@ def finish_result(method: str, res: DecodeResult, t0: float, settings: DecodeSet
     return res
 
 
-def _prefill_pair(draft: LM, target: LM, question: str, tm: Timings) -> tuple[LMState, LMState]:
-    """Both models read the prompt once (timed as draft and target work)."""
-    with _Clock(tm, "draft"):
-        dstate = draft.prefill(draft.format_prompt(question))
-    with _Clock(tm, "target"):
-        tstate = target.prefill(target.format_prompt(question))
-    return dstate, tstate
-
-
 def _step_budget(s: DecodeSettings, lm: LM, used: int) -> int:
     """Tokens ``lm`` may spend on its next step: its step budget, capped by what is left of the output."""
     return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
 
 
-def _target_rewrites(
-    draft: LM,
-    target: LM,
-    s: DecodeSettings,
-    res: DecodeResult,
-    states: tuple[Callable[[], LMState], LMState],
-    replay: list[str],
-    proposal: str,
-    budget: int,
-    seed: int,
-    written: tuple[StepSample, LMState, int] | None = None,
-    **why: float | int | None,
-) -> tuple[LMState, LMState]:
-    """A rejected proposal: the target writes the step itself from its state before the proposal
-    (``states[1]``), unless ``written`` already holds its step, state and the number of tokens kept from
-    the proposal (salvage); the draft rolls back to its checkpoint (``states[0]``), re-reads the steps of
-    the round that were accepted (``replay``) and reads the target's step. The step goes into ``res`` with
-    ``why`` (p, q, u or a score); returns the (draft, target) states after it."""
-    d_restore, tstate = states
-    salvaged = 0
-    if written is not None:
-        tstep, tstate, salvaged = written
-    else:
-        with _Clock(res.timings, "target"):
-            tstep, tstate = target.decode_step(tstate, s.temperature, s.top_p, budget, seed)
-    with _Clock(res.timings, "draft"):
-        dstate = d_restore()
-        for text in replay:
-            dstate = draft.prefill(text, dstate)
-        before = len(dstate.ids)
-        if tstep.text:
-            dstate = draft.prefill(tstep.text, dstate)
-    res.add(
-        StepRecord(
-            "target",
-            tstep.text,
-            len(dstate.ids) - before,
-            tstep.num_tokens,
-            proposal=proposal,
-            salvaged=salvaged,
-            **why,
-        )
-    )
-    res.output_tokens += tstep.num_tokens
-    if tstep.finish_reason == "eos" or not tstep.text:
-        res.finish_reason = "eos"
-    return dstate, tstate
+def _probe_all(fn: ProbeFn, pooled: list[Pooled]) -> list[float]:
+    """The probe on every row: one call when it scores batches (a ``many`` attribute), else row by row."""
+    many = getattr(fn, "many", None)
+    return list(many(pooled)) if many is not None else [fn(p) for p in pooled]
 
 
-class SingleModelDecoder:
+@dataclass
+class _Row:
+    """One problem of a batch: its result so far and both models' states."""
+
+    index: int  # position in the list of questions
+    res: DecodeResult
+    t0: float
+    seed: int
+    rng: random.Random
+    states: dict[str, LMState] = field(default_factory=dict)  # role -> state
+
+    def finished(self, s: DecodeSettings) -> bool:
+        """Whether the row has used its budget or ended with EOS."""
+        return self.res.output_tokens >= s.max_new_tokens or self.res.finish_reason == "eos"
+
+
+def _timings(rows: list[_Row]) -> list[Timings]:
+    return [r.res.timings for r in rows]
+
+
+class BatchDecoder:
+    """A step-level decoder that runs many problems at once: rows advance in lock-step rounds, each
+    model call covers every live row (one padded forward), finished rows leave and queued problems join
+    (continuous batching). A row's output does not depend on the others: each has its own caches, seeds
+    and acceptance draws, so ``decode`` (a batch of one) gives the same steps."""
+
+    method: str
+    settings: DecodeSettings
+    roles: tuple[str, ...]
+
+    def lm(self, role: str) -> LM:
+        """The model playing ``role``."""
+        raise NotImplementedError
+
+    def _advance(self, rows: list[_Row]) -> None:
+        """One round for every live row."""
+        raise NotImplementedError
+
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+        """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
+        callback = None if on_step is None else (lambda _i, step: on_step(step))
+        return self.decode_batch([question], batch_size=1, on_step=callback)[0]
+
+    def decode_batch(
+        self,
+        questions: Sequence[str],
+        batch_size: int = 8,
+        on_step: Callable[[int, StepRecord], None] | None = None,
+        on_result: Callable[[int, DecodeResult], None] | None = None,
+    ) -> list[DecodeResult]:
+        """Answer every question, ``batch_size`` at a time (continuous batching). ``on_step(i, step)`` sees
+        each step of question ``i``; ``on_result(i, result)`` each result as its row finishes (rows finish
+        out of order). A result's latency runs from its row joining the batch to its last step."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        queue, live = deque(range(len(questions))), []
+        results: list[DecodeResult | None] = [None] * len(questions)
+        while queue or live:
+            joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
+            if joining:
+                live += self._join(joining, questions, on_step)
+            self._advance(live)
+            for row in [r for r in live if r.finished(self.settings)]:
+                results[row.index] = finish_result(self.method, row.res, row.t0, self.settings)
+                if on_result is not None:
+                    on_result(row.index, row.res)
+            live = [r for r in live if not r.finished(self.settings)]
+        return results
+
+    def _join(
+        self, indices: list[int], questions: Sequence[str], on_step: Callable[[int, StepRecord], None] | None
+    ) -> list[_Row]:
+        """New rows: every model reads its prompts in one padded prefill."""
+        s, t0 = self.settings, time.perf_counter()
+        rows = []
+        for i in indices:
+            callback = None if on_step is None else functools.partial(on_step, i)
+            res = DecodeResult(self.method, "", None, on_step=callback)
+            rows.append(_Row(i, res, t0, s.seed, random.Random(s.seed)))
+        for role in self.roles:
+            lm = self.lm(role)
+            with _Clock(_timings(rows), role):
+                states = lm.prefill_many([lm.format_prompt(questions[i]) for i in indices])
+            for row, state in zip(rows, states, strict=True):
+                row.states[role] = state
+        return rows
+
+
+class SingleModelDecoder(BatchDecoder):
     """``target`` or ``draft``: one model writes every step."""
 
     def __init__(self, lm: LM, settings: DecodeSettings, role: str = "target") -> None:
-        if role not in ("draft", "target"):
-            raise ValueError(f"role must be 'draft' or 'target', got {role!r}")
-        self.lm, self.settings, self.role = lm, settings, role
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.model, self.settings, self.role = lm, settings, role
+        self.roles = (role,)
 
     @property
     def method(self) -> str:
         """The method name (its role)."""
         return self.role
 
-    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
-        """Write steps until EOS or the token budget."""
-        s, t0 = self.settings, time.perf_counter()
-        res = DecodeResult(self.method, "", None, on_step=on_step)
-        clock = _Clock(res.timings, "target" if self.role == "target" else "draft")
-        with clock:
-            state = self.lm.prefill(self.lm.format_prompt(question))
-        seed = s.seed
-        while res.output_tokens < s.max_new_tokens:
-            budget = _step_budget(s, self.lm, res.output_tokens)
-            with clock:
-                step, state = self.lm.decode_step(state, s.temperature, s.top_p, budget, seed)
-            seed += 1
+    def lm(self, role: str) -> LM:
+        """The one model."""
+        return self.model
+
+    def _advance(self, rows: list[_Row]) -> None:
+        """Every row writes its next step, all in one batched decode loop."""
+        s = self.settings
+        starts = [
+            StepStart(r.states[self.role], _step_budget(s, self.model, r.res.output_tokens), r.seed)
+            for r in rows
+        ]
+        with _Clock(_timings(rows), self.role):
+            outs = self.model.decode_steps(starts, s.temperature, s.top_p)
+        for row, (step, state) in zip(rows, outs, strict=True):
+            row.states[self.role], row.seed = state, row.seed + 1
             k = step.num_tokens
-            res.add(
-                StepRecord(
-                    self.role, step.text, k if self.role == "draft" else 0, k if self.role == "target" else 0
-                )
+            row.res.add(
+                StepRecord(self.role, step.text, k * (self.role == "draft"), k * (self.role == "target"))
             )
-            res.output_tokens += k
+            row.res.output_tokens += k
             if step.finish_reason == "eos":
-                res.finish_reason = "eos"
+                row.res.finish_reason = "eos"
+
+
+@dataclass
+class _Rewrite:
+    """A rejected proposal of one row, for the target to rewrite: where the target starts (its state
+    before the proposal, or the salvaged prefix), how the draft rolls back and what it re-reads."""
+
+    row: _Row
+    start: StepStart
+    d_restore: Callable[[], LMState]
+    replay: list[str]  # the round's accepted steps, for the draft to re-read
+    proposal: str
+    why: dict[str, float | int | None]
+    salvaged: int = 0  # kept tokens of the proposal (salvage)
+
+
+class _DraftTarget(BatchDecoder):
+    """What the two-model step-level decoders share: the draft proposes, the target rewrites rejections."""
+
+    roles = ("draft", "target")
+    draft: LM
+    target: LM
+
+    def lm(self, role: str) -> LM:
+        """The draft or the target."""
+        return self.draft if role == "draft" else self.target
+
+    def _propose(self, rows: list[_Row], gamma: int) -> dict[int, list[StepSample]]:
+        """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step), each round of proposals
+        one batched decode loop; advances the draft's caches. Returns row index -> its proposals."""
+        s, proposals = self.settings, {r.index: [] for r in rows}
+        proposing = list(rows)
+        for i in range(gamma):
+            if not proposing:
                 break
-        return finish_result(self.method, res, t0, s)
+            budgets = [_step_budget(s, self.draft, r.res.output_tokens) for r in proposing]
+            starts = [
+                StepStart(r.states["draft"], b, r.seed + i) for r, b in zip(proposing, budgets, strict=True)
+            ]
+            with _Clock(_timings(proposing), "draft"):
+                outs = self.draft.decode_steps(starts, s.temperature, s.top_p)
+            still = []
+            for row, (step, state) in zip(proposing, outs, strict=True):
+                row.states["draft"] = state
+                proposals[row.index].append(step)
+                if step.finish_reason != "eos" and step.text:
+                    still.append(row)
+            proposing = still
+        for row in rows:
+            row.seed += len(proposals[row.index])
+        return proposals
+
+    def _accept(
+        self, row: _Row, step: StepSample, verified: StepScore | int, **why: float | int | None
+    ) -> None:
+        """The target's cache already holds the accepted draft step (``verified``: the target's scoring
+        of it, or the number of target tokens)."""
+        k = verified if isinstance(verified, int) else len(verified.token_ids)
+        if not isinstance(verified, int):
+            row.states["target"] = verified.state
+        row.res.add(StepRecord("draft", step.text, step.num_tokens, k, **why))
+        row.res.output_tokens += k
+        if step.finish_reason == "eos":
+            row.res.finish_reason = "eos"
+
+    def _rewrite(self, items: list[_Rewrite]) -> None:
+        """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
+        rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
+        round's accepted steps and reads the target's step (batched too)."""
+        if not items:
+            return
+        s, rows = self.settings, [it.row for it in items]
+        with _Clock(_timings(rows), "target"):
+            written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
+        with _Clock(_timings(rows), "draft"):
+            dstates = [it.d_restore() for it in items]
+            for j in range(max(len(it.replay) for it in items)):
+                self._draft_reads(dstates, [it.replay[j] if j < len(it.replay) else "" for it in items])
+            before = [len(d.ids) for d in dstates]
+            self._draft_reads(dstates, [step.text for step, _ in written])
+        for it, (step, tstate), dstate, n in zip(items, written, dstates, before, strict=True):
+            row = it.row
+            row.states["draft"], row.states["target"] = dstate, tstate
+            salvaged = min(it.salvaged, step.num_tokens)
+            record = StepRecord(
+                "target",
+                step.text,
+                len(dstate.ids) - n,
+                step.num_tokens,
+                proposal=it.proposal,
+                salvaged=salvaged,
+                **it.why,
+            )
+            row.res.add(record)
+            row.res.output_tokens += step.num_tokens
+            if step.finish_reason == "eos" or not step.text:
+                row.res.finish_reason = "eos"
+
+    def _draft_reads(self, dstates: list[LMState], texts: list[str]) -> None:
+        """Extend each draft state by its text (rows with no text are left alone), in one prefill."""
+        idx = [i for i, text in enumerate(texts) if text]
+        if idx:
+            for i, ext in zip(
+                idx, self.draft.extend_many([dstates[i] for i in idx], [texts[i] for i in idx]), strict=True
+            ):
+                dstates[i] = ext[0]
 
 
-class SemanticSpecDecoder:
+class SemanticSpecDecoder(_DraftTarget):
     """SemanticSpec (Algorithm 1) with probes ``q_probe`` (draft) and ``p_probe`` (target)."""
 
     method = "semanticspec"
@@ -311,120 +464,96 @@ class SemanticSpecDecoder:
     @property
     def run_identity(self) -> dict:
         """What, beyond the evaluation settings, decides this decoder's rows: the probes and salvage."""
-        return {"probes": self.probe_ids, "salvage": self.settings.salvage and self.settings.temperature == 0}
+        return {"probes": self.probe_ids, "salvage": self.settings.salvages}
 
-    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
-        """Rounds of: the draft proposes up to gamma steps, the target verifies them in order with the
-        probes, the first rejected one is rewritten by the target."""
-        s, t0 = self.settings, time.perf_counter()
-        rng = random.Random(s.seed)
-        res = DecodeResult(self.method, "", None, on_step=on_step)
-        dstate, tstate = _prefill_pair(self.draft, self.target, question, res.timings)
-        seed = s.seed
-        while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
-            d_restore = dstate.checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8)
-            proposals, dstate = self._propose(dstate, res, seed)
-            seed += len(proposals)
-            dstate, tstate, seed = self._verify(proposals, (d_restore, dstate), tstate, res, rng, seed)
-        return finish_result(self.method, res, t0, s)
-
-    def _propose(self, dstate: LMState, res: DecodeResult, seed: int) -> tuple[list[StepSample], LMState]:
-        """Up to gamma draft steps (fewer after EOS or an empty step), advancing the draft's cache."""
-        s, proposals = self.settings, []
-        with _Clock(res.timings, "draft"):
-            for i in range(s.gamma):
-                budget = _step_budget(s, self.draft, res.output_tokens)
-                step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed + i)
-                proposals.append(step)
-                if step.finish_reason == "eos" or not step.text:
-                    break
-        return proposals, dstate
-
-    def _verify(
-        self,
-        proposals: list[StepSample],
-        draft_states: tuple[Callable[[], LMState], LMState],
-        tstate: LMState,
-        res: DecodeResult,
-        rng: random.Random,
-        seed: int,
-    ) -> tuple[LMState, LMState, int]:
-        """Verify ``proposals`` in order; the first rejection is rewritten by the target and ends the
-        round. Returns the (draft, target) states and the next seed."""
-        d_restore, dstate = draft_states
-        for i, step in enumerate(proposals):
-            t_restore = tstate.checkpoint(_step_budget(self.settings, self.target, 0) * 2 + 8)
-            score, accepted, why = self._judge(step, tstate, res, rng)
-            if accepted:  # the target's cache already holds the step
-                tstate = score.state
-                res.add(StepRecord("draft", step.text, step.num_tokens, len(score.token_ids), **why))
-                res.output_tokens += len(score.token_ids)
-                if step.finish_reason == "eos":
-                    res.finish_reason = "eos"
-                    break
-                continue
-            budget = _step_budget(self.settings, self.target, res.output_tokens)
-            replay = [prev.text for prev in proposals[:i]]
-            written = self._salvage(tstate, score, budget, seed, res) if score is not None else None
-            dstate, tstate = _target_rewrites(
-                self.draft,
-                self.target,
-                self.settings,
-                res,
-                (d_restore, tstate if written else t_restore()),
-                replay,
-                step.text,
-                budget,
-                seed,
-                written,
-                **why,
-            )
-            seed += 1
-            break
-        return dstate, tstate, seed
+    def _advance(self, rows: list[_Row]) -> None:
+        """One round: the draft proposes up to gamma steps per row, the target verifies them in order
+        with the probes (each proposal position one batched prefill over the rows still going), and the
+        first rejected step of each row is rewritten by the target (one batched decode)."""
+        s = self.settings
+        d_restores = {
+            r.index: r.states["draft"].checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8) for r in rows
+        }
+        proposals = self._propose(rows, s.gamma)
+        verifying, rewrites = list(rows), []
+        for i in range(s.gamma):
+            current = [r for r in verifying if len(proposals[r.index]) > i]
+            if not current:
+                break
+            steps = [proposals[r.index][i] for r in current]
+            verdicts = self._judge(current, steps)
+            verifying = []
+            for row, step, (score, accepted, why, t_restore) in zip(current, steps, verdicts, strict=True):
+                if accepted:
+                    self._accept(row, step, score, **why)
+                    if step.finish_reason != "eos":
+                        verifying.append(row)
+                    continue
+                budget = _step_budget(s, self.target, row.res.output_tokens)
+                start, kept = self._salvage(row, score, budget, t_restore)
+                replay = [prev.text for prev in proposals[row.index][:i]]
+                rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, why, kept))
+                row.seed += 1
+        self._rewrite(rewrites)
 
     def _judge(
-        self, step: StepSample, tstate: LMState, res: DecodeResult, rng: random.Random
-    ) -> tuple[StepScore | None, bool, dict[str, float]]:
-        """The target prefills the step on its cache (in place) and the probes give q and p; the step is
-        accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set). Returns the target's score
-        of the step (None for an empty step), whether it was accepted, and ``{p, q, u}``."""
-        s, tm = self.settings, res.timings
-        with _Clock(tm, "probe"):
-            q = self.q_probe(step.pooled)
-        score, p = None, 0.0
-        if step.text:
-            with _Clock(tm, "verify"):
-                score = self.target.score_step(tstate, step.text, inplace=True, logprobs=False)
-            res.target_prefill_tokens += len(score.token_ids)
-            with _Clock(tm, "probe"):
-                p = self.p_probe(score.pooled)
-        u = rng.random()
-        ratio = p / q if q > 0 else float("inf")
-        accept = score is not None and u < min(1.0, ratio)
-        if accept and s.min_ratio is not None and ratio < s.min_ratio:
-            accept = False
-        return score, accept, {"p": p, "q": q, "u": u}
+        self, rows: list[_Row], steps: list[StepSample]
+    ) -> list[tuple[StepScore | None, bool, dict[str, float], Callable[[], LMState]]]:
+        """The target prefills each row's step on its cache (in place, all rows in one padded prefill)
+        and the probes give q and p (batched); a step is accepted when ``u < min(1, p/q)`` (and
+        ``p/q >= min_ratio`` when set). Returns per row the target's score of the step (None for an
+        empty step), whether it was accepted, ``{p, q, u}`` and how to restore the target's state."""
+        s, tms = self.settings, _timings(rows)
+        restores = [r.states["target"].checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
+        with _Clock(tms, "probe"):
+            qs = _probe_all(self.q_probe, [step.pooled for step in steps])
+        idx = [b for b, step in enumerate(steps) if step.text]
+        scores: list[StepScore | None] = [None] * len(rows)
+        ps = [0.0] * len(rows)
+        if idx:
+            scored = [rows[b] for b in idx]
+            with _Clock(_timings(scored), "verify"):
+                out = self.target.score_steps(
+                    [r.states["target"] for r in scored], [steps[b].text for b in idx]
+                )
+            with _Clock(_timings(scored), "probe"):
+                for b, p in zip(idx, _probe_all(self.p_probe, [sc.pooled for sc in out]), strict=True):
+                    ps[b] = p
+            for b, sc in zip(idx, out, strict=True):
+                scores[b] = sc
+                rows[b].res.target_prefill_tokens += len(sc.token_ids)
+        verdicts = []
+        for b, row in enumerate(rows):
+            p, q, u = ps[b], qs[b], row.rng.random()
+            ratio = p / q if q > 0 else float("inf")
+            accept = scores[b] is not None and u < min(1.0, ratio)
+            if accept and s.min_ratio is not None and ratio < s.min_ratio:
+                accept = False
+            verdicts.append((scores[b], accept, {"p": p, "q": q, "u": u}, restores[b]))
+        return verdicts
 
     def _salvage(
-        self, tstate: LMState, score: StepScore, budget: int, seed: int, res: DecodeResult
-    ) -> tuple[StepSample, LMState, int] | None:
-        """With ``salvage`` (greedy only): keep the longest prefix of the rejected step that the target
-        would have written itself (its argmax at every position, from the verification prefill) and let
-        the target continue from there. The result equals the target's own greedy step, token for token.
-        None when salvage is off, sampling, or the cache cannot be cropped (the step is then rewritten)."""
-        if not self.settings.salvage or self.settings.temperature > 0:
-            return None
-        with _Clock(res.timings, "target"):
-            keep = self.target.greedy_agreement(score)
-            out = self.target.continue_after(tstate, score, keep, budget, seed)
-        return None if out is None else (*out, min(keep, out[0].num_tokens))
+        self, row: _Row, score: StepScore | None, budget: int, t_restore: Callable[[], LMState]
+    ) -> tuple[StepStart, int]:
+        """Where the target rewrites a rejected step, and how many of its tokens it keeps. With
+        ``salvage`` (greedy only): after the longest prefix of the rejected step that the target would
+        have written itself (its argmax at every position, from the verification prefill), which gives
+        the target's own greedy step token for token. Otherwise (or when the cache cannot be cropped)
+        from the target's state before the step."""
+        tstate = row.states["target"]
+        if self.settings.salvages and score is not None:
+            with _Clock(row.res.timings, "target"):
+                keep = self.target.greedy_agreement(score)
+                start = self.target.resume_after(tstate, score, keep, budget, row.seed)
+            if start is not None:
+                return start, keep
+        return StepStart(t_restore(), budget, row.seed), 0
 
 
 VERIFY_PROMPT = "\n\nIs the previous step correct? Rate it from 0 (wrong) to 9 (certainly correct). Rating:"
 
 
-class SpecReasonDecoder:
+class SpecReasonDecoder(_DraftTarget):
     """SpecReason: the target rates each draft step 0-9; steps rated below the threshold are rewritten."""
 
     method = "specreason"
@@ -434,50 +563,68 @@ class SpecReasonDecoder:
         ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
         self.digit_ids = [i[-1] for i in ids]
 
-    def rate(self, state: LMState, step_text: str) -> tuple[int, LMState, int]:
-        """Score a step 0-9 (argmax over the digit tokens after the verification prompt).
+    def rate(self, states: list[LMState], step_texts: list[str]) -> list[tuple[int, LMState, int]]:
+        """Score each row's step 0-9 (argmax over the digit tokens after the verification prompt), all
+        rows in one padded prefill of the steps and one of the prompt.
 
-        Returns the score, the target state extended by the step (the prompt is cropped away) and the
-        number of step tokens prefilled."""
-        st, ids, _, _ = self.target.extend(state, step_text)
-        keep = (st.text, list(st.ids), st.logits, st.hidden)
-        st2 = self.target.extend(st, self.prompt)[0]
-        score = int(torch.argmax(st2.logits[self.digit_ids]))
-        extra = st2.cache.get_seq_length() - len(keep[1])
-        if extra > 0:
-            st2.cache.crop(-extra)
-        return score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)
+        Returns per row the score, the target state extended by the step (the prompt is cropped away) and
+        the number of step tokens prefilled."""
+        stepped = self.target.extend_many(states, step_texts)
+        kept = [(st.text, list(st.ids), st.logits, st.hidden) for st, _, _, _ in stepped]
+        prompted = self.target.extend_many([st for st, _, _, _ in stepped], [self.prompt] * len(states))
+        out = []
+        for (st2, _, _, _), keep, (_, ids, _, _) in zip(prompted, kept, stepped, strict=True):
+            score = int(torch.argmax(st2.logits[self.digit_ids]))
+            crop_to(st2.cache, len(keep[1]))
+            out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
+        return out
 
-    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
-        """Draft a step, let the target rate it, rewrite it below the threshold."""
-        s, t0 = self.settings, time.perf_counter()
-        res = DecodeResult(self.method, "", None, on_step=on_step)
-        tm = res.timings
-        dstate, tstate = _prefill_pair(self.draft, self.target, question, tm)
-        seed = s.seed
-        while res.output_tokens < s.max_new_tokens and res.finish_reason != "eos":
-            budget = _step_budget(s, self.draft, res.output_tokens)
-            d_restore = dstate.checkpoint(budget + 8)
-            with _Clock(tm, "draft"):
-                step, dstate = self.draft.decode_step(dstate, s.temperature, s.top_p, budget, seed)
-            seed += 1
-            score, k, t_restore = 0, 0, None
-            if step.text:
-                t_restore = tstate.checkpoint(self.target.spec.max_step_tokens * 2 + 64)
-                with _Clock(tm, "verify"):
-                    score, new_t, k = self.rate(tstate, step.text)
-                res.target_prefill_tokens += k
-            if step.text and score >= s.accept_threshold:
-                tstate = new_t
-                res.add(StepRecord("draft", step.text, step.num_tokens, k, score=score))
-                res.output_tokens += k
-                if step.finish_reason == "eos":
-                    res.finish_reason = "eos"
+    def _advance(self, rows: list[_Row]) -> None:
+        """One round: the draft writes a step per row, the target rates them (batched), steps below the
+        threshold are rewritten by the target (one batched decode)."""
+        s = self.settings
+        d_restores = {
+            r.index: r.states["draft"].checkpoint(_step_budget(s, self.draft, r.res.output_tokens) + 8)
+            for r in rows
+        }
+        proposals = self._propose(rows, 1)
+        steps = [proposals[r.index][0] for r in rows]
+        t_restores = [r.states["target"].checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
+        idx = [b for b, step in enumerate(steps) if step.text]
+        rated: dict[int, tuple[int, LMState, int]] = {}
+        if idx:
+            scored = [rows[b] for b in idx]
+            with _Clock(_timings(scored), "verify"):
+                out = self.rate([r.states["target"] for r in scored], [steps[b].text for b in idx])
+            rated = dict(zip(idx, out, strict=True))
+        rewrites = []
+        for b, (row, step) in enumerate(zip(rows, steps, strict=True)):
+            score, new_t, k = rated.get(b, (0, None, 0))
+            row.res.target_prefill_tokens += k
+            if new_t is not None and score >= s.accept_threshold:
+                row.states["target"] = new_t
+                self._accept(row, step, k, score=score)
                 continue
-            if t_restore is not None:
-                tstate = t_restore()
-            dstate, tstate = _target_rewrites(
-                self.draft, self.target, s, res, (d_restore, tstate), [], step.text, budget, seed, score=score
-            )
-            seed += 1
-        return finish_result(self.method, res, t0, s)
+            budget = _step_budget(s, self.draft, row.res.output_tokens)
+            start = StepStart(t_restores[b](), budget, row.seed)
+            rewrites.append(_Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
+            row.seed += 1
+        self._rewrite(rewrites)
+
+
+def decode_all(
+    decoder: Decoder,
+    questions: Sequence[str],
+    batch_size: int = 1,
+    on_result: Callable[[int, DecodeResult], None] | None = None,
+) -> list[DecodeResult]:
+    """Answer every question with ``decoder``: batched when it is a ``BatchDecoder``, else one at a time
+    (the token-level baselines). ``on_result(i, result)`` sees each result as it is ready."""
+    if isinstance(decoder, BatchDecoder):
+        return decoder.decode_batch(questions, batch_size, on_result=on_result)
+    results = []
+    for i, question in enumerate(questions):
+        results.append(decoder.decode(question))
+        if on_result is not None:
+            on_result(i, results[-1])
+    return results

@@ -21,11 +21,11 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -94,19 +94,33 @@ class LMState:
         function restores it by cropping the cache (or from a copy when a sliding-window layer would
         have dropped positions that a crop cannot bring back)."""
         n = len(self.ids)
-        windows = [getattr(layer, "sliding_window", None) for layer in getattr(self.cache, "layers", [])]
-        if any(w is not None and n + extra_tokens >= int(w) - 1 for w in windows):
+        if not fits_window(self.cache, n + extra_tokens):
             saved = self.clone()
             return lambda: saved
         text, ids, logits, hidden, cache = self.text, list(self.ids), self.logits, self.hidden, self.cache
 
         def restore() -> LMState:
-            extra = cache.get_seq_length() - n
-            if extra > 0:
-                cache.crop(-extra)
+            crop_to(cache, n)
             return LMState(text, ids, cache, logits, hidden)
 
         return restore
+
+
+def fits_window(cache: Cache | None, length: int) -> bool:
+    """Whether ``cache`` can hold ``length`` positions with every one still in it: no sliding-window layer
+    would have dropped any, so a crop can bring back any shorter context."""
+    for layer in getattr(cache, "layers", []):
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and length >= int(window) - 1:
+            return False
+    return True
+
+
+def crop_to(cache: Cache, length: int) -> None:
+    """Cut ``cache`` back to its first ``length`` positions (nothing when it is not longer)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
 
 
 @dataclass
@@ -134,6 +148,26 @@ class StepScore:
     logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model (empty when not asked for)
     state: LMState  # the context extended by the step
     pred_hidden: torch.Tensor | None = None  # (k, L+1, D) outputs at the positions predicting each token
+
+
+@dataclass
+class StepStart:
+    """One row of a batched decode loop: a step written after ``context``, from ``state`` (default
+    ``context``): its cache holds the context plus ``prefix`` (tokens of the step already decided) and its
+    outputs predict the next token. ``done``: the prefix already ends the step (the cache then holds
+    the context plus all of its tokens but the last)."""
+
+    context: LMState
+    max_tokens: int  # new tokens this row may sample
+    seed: int | None = None
+    state: LMState | None = None
+    prefix: list[int] = field(default_factory=list)
+    done: StepSample | None = None
+
+    @property
+    def source(self) -> LMState:
+        """The state the loop starts from."""
+        return self.state if self.state is not None else self.context
 
 
 class LM:
@@ -206,35 +240,133 @@ class LM:
     # ----------------------------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, cache: Cache | None, all_logits: bool = False
+        self,
+        ids: torch.Tensor,
+        cache: Cache | None,
+        all_logits: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Cache]:
         """One forward pass. ``ids`` (B, T) -> logits (B, T or 1, V) float32, hidden (B, T, L+1, D) float32, cache.
 
         Logits are computed for the last position only unless ``all_logits``: with a large vocabulary
-        (Gemma: 262k) the output head costs as much as the rest of the model per position.
+        (Gemma: 262k) the output head costs as much as the rest of the model per position. A padded
+        batch passes its ``attention_mask`` (B, cached + T) and ``position_ids`` (B, T).
         """
         if cache is None:
             cache = DynamicCache(config=self.model.config)
+        extra = {}
+        if attention_mask is not None:
+            extra = {
+                "attention_mask": attention_mask.to(self.device),
+                "position_ids": position_ids.to(self.device),
+            }
         out = self.model(
             ids.to(self.device),
             cache=cache,
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=0 if all_logits else 1,
+            **extra,
         )
         hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
         return out.logits.float(), hidden, out.cache
 
+    def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from final-layer hidden states (after the final norm): (N, D) -> (N, V) float32."""
+        head = self.model.get_output_embeddings()
+        logits = head(last_hidden.to(head.weight.dtype).to(self.device)).float().cpu()
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, caches: list[Cache | None], new_ids: list[list[int]], all_logits: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor, Cache]]:
+        """Feed ``new_ids[b]`` after ``caches[b]`` for every row, in one padded forward.
+
+        Each row keeps its own cache: they are stacked left-padded for the forward (the new ids
+        right-padded) and split again after it, so no row ever sees another's positions. Returns, per row,
+        logits (k_b, V) with ``all_logits`` else (1, V) at its last new position, hidden (k_b, L+1, D) and
+        its cache (the old one extended in place when the row ran alone).
+        """
+        if any(not ids for ids in new_ids):
+            raise ValueError("every row needs at least one new token")
+        lens = [0 if c is None else c.get_seq_length() for c in caches]
+        width, k = max(lens), max(len(ids) for ids in new_ids)
+        if len(caches) == 1 or not self._stackable(caches, width + k):
+            rows = []
+            for cache, ids in zip(caches, new_ids, strict=True):
+                logits, hidden, cache = self.forward(torch.tensor([ids]), cache, all_logits)
+                rows.append((logits[0], hidden[0], cache))
+            return rows
+        stacked = self._stack(caches, lens, width)
+        ids = torch.zeros(len(caches), k, dtype=torch.long)  # (B, k) right-padded
+        mask = torch.zeros(len(caches), width + k, dtype=torch.long)  # (B, width + k)
+        for b, row in enumerate(new_ids):
+            ids[b, : len(row)] = torch.tensor(row)
+            mask[b, width - lens[b] : width + len(row)] = 1
+        pos = torch.tensor(lens)[:, None] + torch.arange(k)[None]  # (B, k)
+        logits, hidden, stacked = self.forward(ids, stacked, all_logits, mask, pos)
+        sizes = torch.tensor([len(row) for row in new_ids])
+        last = (
+            self.head(hidden[torch.arange(len(caches)), sizes - 1, -1]) if not all_logits else None
+        )  # (B, V)
+        out = []
+        for b, n in enumerate(sizes.tolist()):
+            row_logits = logits[b, :n] if last is None else last[b : b + 1]
+            out.append((row_logits, hidden[b, :n], self._row_cache(stacked, b, width - lens[b], width + n)))
+        return out
+
+    def _stackable(self, caches: list[Cache | None], length: int) -> bool:
+        """Whether these caches can be stacked into one padded batch of ``length`` positions: plain or
+        sliding-window attention layers only, and no window that padding would overflow."""
+        for cache in caches:
+            if cache is None:
+                continue
+            if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+                return False
+            if not fits_window(cache, length):
+                return False
+        return fits_window(DynamicCache(config=self.model.config), length)
+
+    def _stack(self, caches: list[Cache | None], lens: list[int], width: int) -> Cache:
+        """One cache holding every row left-padded to ``width`` positions: (B, H, width, Dh) per layer."""
+        stacked = DynamicCache(config=self.model.config)
+        ref = next((c for c, n in zip(caches, lens, strict=True) if n), None)
+        if ref is None:
+            return stacked
+        for i, layer in enumerate(ref.layers):
+            keys, values = [], []
+            for cache, n in zip(caches, lens, strict=True):
+                k = cache.layers[i].keys if n else layer.keys[:1, :, :0]  # (1, H, n, Dh)
+                v = cache.layers[i].values if n else layer.values[:1, :, :0]
+                keys.append(torch.nn.functional.pad(k, (0, 0, width - n, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, width - n, 0)))
+            stacked.update(torch.cat(keys), torch.cat(values), i)
+        return stacked
+
+    def _row_cache(self, stacked: Cache, b: int, start: int, end: int) -> Cache:
+        """Row ``b`` of a stacked cache, positions ``start:end`` (its own tokens), as a cache of its own."""
+        cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(stacked.layers):
+            cache.update(layer.keys[b : b + 1, :, start:end], layer.values[b : b + 1, :, start:end], i)
+        return cache
+
     def prefill(self, text: str, state: LMState | None = None) -> LMState:
         """Cache ``text`` (a full context), or extend ``state`` by ``text`` (a continuation)."""
-        return self.extend(state, text)[0] if state is not None else self._prefill_full(text)
+        return self.extend(state, text)[0] if state is not None else self.prefill_many([text])[0]
 
-    def _prefill_full(self, text: str) -> LMState:
-        ids = self.encode(text)
-        if not ids:
+    def prefill_many(self, texts: list[str]) -> list[LMState]:
+        """Cache each full context in ``texts``, all in one padded forward."""
+        ids = [self.encode(text) for text in texts]
+        if any(not row for row in ids):
             raise ValueError("cannot prefill an empty context")
-        logits, hidden, cache = self.forward(torch.tensor([ids]), None)
-        return LMState(text, ids, cache, logits[0, -1], hidden[0, -1])
+        outs = self.forward_rows([None] * len(texts), ids)
+        return [
+            LMState(text, row, cache, logits[-1], hidden[-1])
+            for text, row, (logits, hidden, cache) in zip(texts, ids, outs, strict=True)
+        ]
 
     def extend(
         self, state: LMState, text: str, all_logits: bool = False
@@ -244,12 +376,22 @@ class LM:
         Returns the new state, the appended ids, and the outputs at the appended positions:
         logits (k, V) with ``all_logits`` else (1, V) for the last one, and hidden (k, L+1, D).
         """
-        new_ids = self.continuation_ids(state.text, state.ids, text)
-        if not new_ids:
+        return self.extend_many([state], [text], all_logits)[0]
+
+    def extend_many(
+        self, states: list[LMState], texts: list[str], all_logits: bool = False
+    ) -> list[tuple[LMState, list[int], torch.Tensor, torch.Tensor]]:
+        """``extend`` for many rows in one padded forward; each row's cache is its own."""
+        new_ids = [
+            self.continuation_ids(st.text, st.ids, text) for st, text in zip(states, texts, strict=True)
+        ]
+        if any(not ids for ids in new_ids):
             raise ValueError("cannot extend a context by an empty string")
-        logits, hidden, cache = self.forward(torch.tensor([new_ids]), state.cache, all_logits)
-        new_state = LMState(state.text + text, state.ids + new_ids, cache, logits[0, -1], hidden[0, -1])
-        return new_state, new_ids, logits[0], hidden[0]
+        outs = self.forward_rows([st.cache for st in states], new_ids, all_logits)
+        return [
+            (LMState(st.text + text, st.ids + ids, cache, logits[-1], hidden[-1]), ids, logits, hidden)
+            for st, text, ids, (logits, hidden, cache) in zip(states, texts, new_ids, outs, strict=True)
+        ]
 
     def score_step(
         self, context: str | LMState, step_text: str, inplace: bool = False, logprobs: bool = True
@@ -265,15 +407,23 @@ class LM:
             base = self.prefill(context)
         else:
             base = context if inplace else context.clone()
-        state, ids, logits, hidden = self.extend(base, step_text, all_logits=logprobs)
-        # 1. positions predicting the step: last context position + step tokens but the last
-        pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
-        lp = torch.empty(0)
-        if logprobs:
-            # 2. per-token log-probs of the step's tokens
-            pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
-            lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-        return StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state, pos_hidden)
+        return self.score_steps([base], [step_text], logprobs)[0]
+
+    def score_steps(self, states: list[LMState], texts: list[str], logprobs: bool = False) -> list[StepScore]:
+        """``score_step`` in place for many rows (each its own context) in one padded prefill."""
+        scores = []
+        for base, (state, ids, logits, hidden) in zip(
+            states, self.extend_many(states, texts, all_logits=logprobs), strict=True
+        ):
+            # 1. positions predicting the step: last context position + step tokens but the last
+            pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
+            lp = torch.empty(0)
+            if logprobs:
+                # 2. per-token log-probs of the step's tokens
+                pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
+                lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+            scores.append(StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state, pos_hidden))
+        return scores
 
     @torch.inference_mode()
     def greedy_agreement(self, score: StepScore) -> int:
@@ -282,55 +432,57 @@ class LM:
         per token)."""
         if score.pred_hidden is None or not score.token_ids:
             return 0
-        head = self.model.get_output_embeddings()
-        last = score.pred_hidden[:, -1].to(head.weight.dtype)  # (k, D): the final layer, after its norm
-        argmax = head(last.to(self.device)).argmax(-1).cpu()  # (k,)
+        argmax = self.head(score.pred_hidden[:, -1]).argmax(-1)  # (k,): the final layer, after its norm
         same = argmax == torch.tensor(score.token_ids)
         return int(same.long().cumprod(0).sum())
 
     @torch.inference_mode()
-    def continue_after(
-        self,
-        context: LMState,
-        score: StepScore,
-        keep: int,
-        max_tokens: int,
-        seed: int | None = None,
-    ) -> tuple[StepSample, LMState] | None:
-        """Greedily write the step that starts with the first ``keep`` tokens of the scored step (the
-        model's own greedy choices, see ``greedy_agreement``) and continues from there, reusing the cache
-        the scoring filled: ``score.state`` is consumed. The result is what ``decode_step(context)`` would
-        write greedily, token for token (the stop rules see the kept tokens too). None, with the cache
-        untouched, when a sliding-window layer may have dropped positions (restore and decode instead)."""
+    def resume_after(
+        self, context: LMState, score: StepScore, keep: int, max_tokens: int, seed: int | None = None
+    ) -> StepStart | None:
+        """Where to greedily write the step that starts with the first ``keep`` tokens of the scored step
+        (the model's own greedy choices, see ``greedy_agreement``), reusing the cache the scoring filled:
+        ``score.state`` is consumed. Decoding the returned start writes what ``decode_step(context)``
+        would write greedily, token for token (the stop rules see the kept tokens too). None, with the
+        cache untouched, when a sliding-window layer may have dropped positions (restore and decode)."""
         st, n, ids = score.state, len(context.ids), score.token_ids[:keep]
-        windows = [getattr(layer, "sliding_window", None) for layer in getattr(st.cache, "layers", [])]
-        if score.pred_hidden is None or any(w is not None and len(st.ids) >= int(w) - 1 for w in windows):
+        if score.pred_hidden is None or not fits_window(st.cache, len(st.ids)):
             return None
         # 1. the kept tokens may already end the step (a delimiter, EOS, the budget)
         for i in range(1, min(keep, max_tokens) + 1):
             done = self._check_stop(ids[:i])
             if done is not None or i == max_tokens:
                 text, reason = done or (self.tokenizer.decode(ids[:i], skip_special_tokens=True), "length")
-                self._crop_to(st.cache, n + i - 1)
+                crop_to(st.cache, n + i - 1)
                 sample = StepSample(text, ids[:i], reason, Pooled(score.pred_hidden[:i].mean(0)), 0.0)
-                return self._step_state(context, sample, st.cache)
+                return StepStart(
+                    context,
+                    0,
+                    seed,
+                    LMState(context.text, context.ids, st.cache, *_outputs(context)),
+                    done=sample,
+                )
         # 2. continue after them: outputs at the position predicting token ``keep``
-        self._crop_to(st.cache, n + keep)
+        crop_to(st.cache, n + keep)
         if keep < len(score.token_ids):
             hidden = score.pred_hidden[keep]  # (L+1, D)
-            head = self.model.get_output_embeddings()
-            logits = head(hidden[-1].to(head.weight.dtype).to(self.device)).float().cpu()  # (V,)
+            logits = self.head(hidden[-1][None])[0]  # (V,)
         else:
             logits, hidden = st.logits, st.hidden
-        start = LMState(context.text, context.ids, st.cache, logits, hidden)
-        samples, cache = self._sample_loop(start, st.cache, 1, 0.0, 1.0, max_tokens - keep, seed, prefix=ids)
-        return self._step_state(context, samples[0], cache)
+        return StepStart(
+            context,
+            max_tokens - keep,
+            seed,
+            LMState(context.text, context.ids, st.cache, logits, hidden),
+            ids,
+        )
 
-    @staticmethod
-    def _crop_to(cache: Cache, length: int) -> None:
-        extra = cache.get_seq_length() - length
-        if extra > 0:
-            cache.crop(-extra)
+    def continue_after(
+        self, context: LMState, score: StepScore, keep: int, max_tokens: int, seed: int | None = None
+    ) -> tuple[StepSample, LMState] | None:
+        """Write the step ``resume_after`` starts (None when it cannot)."""
+        start = self.resume_after(context, score, keep, max_tokens, seed)
+        return None if start is None else self.decode_steps([start])[0]
 
     # ----------------------------------------------------------------------------------- sampling
     @torch.inference_mode()
@@ -350,18 +502,21 @@ class LM:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        _check_sampling(temperature, top_p)
         max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         state = self.prefill(context) if isinstance(context, str) else context
-        cache = copy.deepcopy(state.cache)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        return self._sample_loop(state, cache, n, temperature, top_p, max_tokens, seed)[0]
+        gen = _generator(seed)
+        starts = [
+            StepStart(
+                state,
+                max_tokens,
+                state=LMState(state.text, state.ids, copy.deepcopy(state.cache), *_outputs(state)),
+            )
+            for _ in range(n)
+        ]
+        return [sample for sample, _ in self._sample_rows(starts, temperature, top_p, [gen] * n)]
 
     @torch.inference_mode()
     def decode_step(
@@ -377,89 +532,133 @@ class LM:
         Returns the step and the state extended by the step's text; ``state`` itself must not be used
         afterwards (its cache now belongs to the returned state).
         """
-        if temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
         max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        samples, cache = self._sample_loop(state, state.cache, 1, temperature, top_p, max_tokens, seed)
-        return self._step_state(state, samples[0], cache)
+        return self.decode_steps([StepStart(state, max_tokens, seed)], temperature, top_p)[0]
 
-    def _step_state(self, state: LMState, s: StepSample, cache: Cache) -> tuple[StepSample, LMState]:
-        """``state`` extended by step ``s``, given a ``cache`` that holds ``state.ids + s.token_ids[:-1]``."""
-        k = len(s.token_ids)
-        exact = (
-            s.finish_reason != "eos"
-            and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
-        )
-        if exact:
-            # 1. the step is exactly the sampled tokens: feed the last one
-            logits, hidden, cache = self.forward(torch.tensor([[s.token_ids[-1]]]), cache)
-            return s, LMState(
-                state.text + s.text, state.ids + s.token_ids, cache, logits[0, -1], hidden[0, -1]
+    @torch.inference_mode()
+    def decode_steps(
+        self, starts: list[StepStart], temperature: float = 0.0, top_p: float = 1.0
+    ) -> list[tuple[StepSample, LMState]]:
+        """Write one step per row, all rows in one batched decode loop (each stops at its own delimiter,
+        EOS or budget and leaves the batch), reusing each row's cache in place. Returns, per row, the step
+        and its context extended by the step's text."""
+        _check_sampling(temperature, top_p)
+        if any(st.done is None and st.max_tokens < 1 for st in starts):
+            raise ValueError("max_tokens must be >= 1")
+        samples: list[StepSample | None] = [st.done for st in starts]
+        caches: list[Cache] = [st.source.cache for st in starts]
+        live = [i for i, st in enumerate(starts) if st.done is None]
+        gens = [_generator(starts[i].seed) for i in live]
+        for i, (sample, cache) in zip(
+            live, self._sample_rows([starts[i] for i in live], temperature, top_p, gens), strict=True
+        ):
+            samples[i], caches[i] = sample, cache
+        return self._finish_steps([st.context for st in starts], samples, caches)
+
+    def _finish_steps(
+        self, contexts: list[LMState], samples: list[StepSample], caches: list[Cache]
+    ) -> list[tuple[StepSample, LMState]]:
+        """Each context extended by its step, given caches that hold ``context.ids + step.token_ids[:-1]``:
+        the last token is fed when the step is exactly its tokens; otherwise (EOS, a delimiter cut inside a
+        token, special tokens) the cache rolls back and the text is prefilled. Batched over rows."""
+        out: list[LMState | None] = [None] * len(samples)
+        feed, refill = [], []
+        for i, (ctx, s, cache) in enumerate(zip(contexts, samples, caches, strict=True)):
+            exact = (
+                s.finish_reason != "eos"
+                and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
             )
-        # 2. EOS, a delimiter cut inside a token, or special tokens: roll back and prefill the text
-        if k > 1:
-            cache.crop(-(k - 1))
-        base = LMState(state.text, state.ids, cache, state.logits, state.hidden)
-        return s, (self.extend(base, s.text)[0] if s.text else base)
+            if exact:
+                feed.append(i)
+                continue
+            crop_to(cache, len(ctx.ids))
+            out[i] = LMState(ctx.text, ctx.ids, cache, ctx.logits, ctx.hidden)
+            if s.text:
+                refill.append(i)
+        fed = (
+            self.forward_rows([caches[i] for i in feed], [[samples[i].token_ids[-1]] for i in feed])
+            if feed
+            else []
+        )
+        for i, (logits, hidden, cache) in zip(feed, fed, strict=True):
+            ctx, s = contexts[i], samples[i]
+            out[i] = LMState(ctx.text + s.text, ctx.ids + s.token_ids, cache, logits[-1], hidden[-1])
+        if refill:
+            extended = self.extend_many([out[i] for i in refill], [samples[i].text for i in refill])
+            for i, ext in zip(refill, extended, strict=True):
+                out[i] = ext[0]
+        return list(zip(samples, out, strict=True))
 
-    def _sample_loop(
-        self,
-        state: LMState,
-        cache: Cache,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_tokens: int,
-        seed: int | None,
-        prefix: list[int] | None = None,
-    ) -> tuple[list[StepSample], Cache]:
-        """The batched decode loop behind ``generate_step`` and ``decode_step``; ``cache`` holds the
-        context ``n`` times and is advanced in place. ``prefix``: tokens of the step already in the cache
-        (after ``state.ids``; ``state``'s outputs are those at the last of them): the stop rules and the
-        returned tokens include them, ``max_tokens`` counts the new ones."""
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    def _sample_rows(
+        self, starts: list[StepStart], temperature: float, top_p: float, gens: list[torch.Generator]
+    ) -> list[tuple[StepSample, Cache]]:
+        """The batched decode loop: every row samples until its own stop, the finished ones leave the
+        batch. Row caches are stacked left-padded for the loop (or, when they cannot be, rows run one after
+        another); each row gets back its own cache holding its context, prefix and sampled tokens but the
+        last. Pooled states cover the positions predicting the newly sampled tokens."""
+        if not starts:
+            return []
+        caches = [st.source.cache for st in starts]
+        lens = [c.get_seq_length() for c in caches]
+        width = max(lens)
+        if len(starts) > 1 and not self._stackable(caches, width + max(st.max_tokens for st in starts)):
+            return [
+                self._sample_rows([st], temperature, top_p, [g])[0]
+                for st, g in zip(starts, gens, strict=True)
+            ]
+        n = len(starts)
+        cache = self._stack(caches, lens, width) if n > 1 else caches[0]
+        pads = [width - length for length in lens]
         warpers = _warpers(temperature, top_p)
-        logits = state.logits[None].expand(n, -1)  # (B, V)
-        hidden = state.hidden[None].expand(n, -1, -1)  # (B, L+1, D)
-        rows = list(range(n))  # batch row -> sample index
+        logits = torch.stack([st.source.logits for st in starts])  # (B, V)
+        hidden = torch.stack([st.source.hidden for st in starts])  # (B, L+1, D)
+        rows = list(range(n))  # batch row -> start index
         hsum = torch.zeros(n, self.num_layers + 1, self.hidden_size)  # (n, L+1, D)
         lp_sum = torch.zeros(n)
-        tokens: list[list[int]] = [list(prefix or []) for _ in range(n)]
+        tokens = [list(st.prefix) for st in starts]
         texts, reasons = [""] * n, ["length"] * n
-        for t in range(max_tokens):
+        row_caches: list[Cache | None] = [None] * n
+        fed = 0
+        while True:
             # 1. pool the position that predicts the token about to be sampled
             idx = torch.tensor(rows)
             hsum[idx] += hidden
             # 2. sample one token per live row
-            nxt, lp = _sample(logits, warpers, gen, temperature)  # (B,), (B,)
+            nxt, lp = _sample(logits, warpers, [gens[i] for i in rows], temperature)  # (B,), (B,)
             lp_sum[idx] += lp
             keep = []
             for b, i in enumerate(rows):
                 tokens[i].append(int(nxt[b]))
                 done = self._check_stop(tokens[i])
-                if done is None:
+                if done is None and len(tokens[i]) - len(starts[i].prefix) < starts[i].max_tokens:
                     keep.append(b)
-                else:
+                    continue
+                if done is not None:
                     texts[i], reasons[i] = done
-            if not keep or t == max_tokens - 1:
+                row_caches[i] = self._row_cache(cache, b, pads[i], width + fed) if n > 1 else cache
+            if not keep:
                 break
             # 3. drop finished rows and feed the live ones
             if len(keep) < len(rows):
                 cache.batch_select_indices(torch.tensor(keep))
                 rows = [rows[b] for b in keep]
                 nxt = nxt[keep]
-            out_logits, out_hidden, cache = self.forward(nxt[:, None], cache)
+            mask = pos = None
+            if any(pads[i] for i in rows):
+                mask = (
+                    torch.arange(width + fed + 1)[None] >= torch.tensor([pads[i] for i in rows])[:, None]
+                ).long()
+                pos = torch.tensor([lens[i] + fed for i in rows])[:, None]
+            out_logits, out_hidden, cache = self.forward(nxt[:, None], cache, False, mask, pos)
             logits, hidden = out_logits[:, -1], out_hidden[:, -1]
-        samples = []
-        for i in range(n):
+            fed += 1
+        out = []
+        for i, st in enumerate(starts):
             if reasons[i] == "length":
                 texts[i] = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-            pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - len(prefix or [])))
-            samples.append(StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])))
-        return samples, cache
+            pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - len(st.prefix)))
+            out.append((StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])), row_caches[i]))
+        return out
 
     def _check_stop(self, toks: list[int]) -> tuple[str, str] | None:
         """(text, reason) when ``toks`` ends the step, else None."""
@@ -495,17 +694,39 @@ def _warpers(temperature: float, top_p: float) -> LogitsProcessorList:
     return procs
 
 
+def _check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (a fresh random seed when None)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    return gen
+
+
+def _outputs(state: LMState) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state's outputs at its last position: (logits (V,), hidden (L+1, D))."""
+    return state.logits, state.hidden
+
+
 def _sample(
-    logits: torch.Tensor, warpers: LogitsProcessorList, gen: torch.Generator, temperature: float
+    logits: torch.Tensor, warpers: LogitsProcessorList, gens: list[torch.Generator], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) -> (token ids (B,), their log-probs (B,)) under the warped distribution."""
+    """logits (B, V) -> (token ids (B,), their log-probs (B,)) under the warped distribution; row b
+    draws from ``gens[b]`` (rows may share a generator)."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         nxt = logits.argmax(dim=-1)
     else:
         scores = warpers(None, logits.clone())
         logp = torch.log_softmax(scores, dim=-1)
-        nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen)[:, 0].to(logits.device)
+        probs = logp.exp().cpu()
+        nxt = torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
+        nxt = nxt.to(logits.device)
     return nxt, logp.gather(1, nxt[:, None])[:, 0].cpu()
 
 

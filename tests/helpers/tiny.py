@@ -27,8 +27,11 @@ def char_tokenizer(merged: bool = False) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
-    """A randomly initialised Llama with a few layers."""
+def tiny_llama(
+    vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32, init: float = 0.02
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama with a few layers (a larger ``init`` makes its outputs depend more
+    on the context)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -41,6 +44,7 @@ def tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=init,
     )
     return LlamaForCausalLM(cfg).eval()
 
@@ -56,13 +60,25 @@ def boost_tokens(model: LlamaForCausalLM, token_ids: list[int], bias: float) -> 
     model.lm_head = head
 
 
-def tiny_lm(merged: bool = False, seed: int = 0, max_step_tokens: int = 24, boost: float = 0.0, **spec) -> LM:
-    """An LM adapter over a tiny random Llama and a character tokenizer."""
+def tiny_lm(
+    merged: bool = False,
+    seed: int = 0,
+    max_step_tokens: int = 24,
+    boost: float = 0.0,
+    hidden: int = 32,
+    init: float = 0.02,
+    eos_bias: float = 0.0,
+    **spec,
+) -> LM:
+    """An LM adapter over a tiny random Llama and a character tokenizer; ``boost`` and ``eos_bias`` make
+    the delimiter and EOS likelier."""
     tok = char_tokenizer(merged)
-    model = tiny_llama(len(tok), seed=seed)
-    if boost:
+    model = tiny_llama(len(tok), seed=seed, hidden=hidden, init=init)
+    if boost or eos_bias:
         ids = tok.convert_tokens_to_ids(MERGED if merged else ["\n"])
         boost_tokens(model, ids, boost)
+        with torch.no_grad():
+            model.lm_head.bias[tok.eos_token_id] = eos_bias
     spec = {"prompt": "plain", **spec}
     s = ModelSpec(
         model_id=f"tiny-llama-{seed}",
@@ -72,3 +88,34 @@ def tiny_lm(merged: bool = False, seed: int = 0, max_step_tokens: int = 24, boos
         **spec,
     )
     return LM(model, tok, s)
+
+
+def tiny_gemma_lm(sliding_window: int = 16, seed: int = 2, max_step_tokens: int = 8) -> LM:
+    """An LM adapter over a tiny random Gemma-3 with one sliding-window layer and one global layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    spec = ModelSpec(
+        model_id=f"tiny-gemma-{seed}",
+        source="local",
+        path="/nonexistent",
+        prompt="plain",
+        max_step_tokens=max_step_tokens,
+    )
+    return LM(model, tok, spec)

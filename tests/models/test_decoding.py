@@ -108,7 +108,7 @@ def test_specreason_low_scores_are_rewritten_by_the_target(pair, monkeypatch):
     draft, target = pair
     dec = SpecReasonDecoder(draft, target, SETTINGS)
     real = dec.rate
-    monkeypatch.setattr(dec, "rate", lambda st, text: (0, *real(st, text)[1:]))
+    monkeypatch.setattr(dec, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)])
     res = dec.decode(Q)
     assert res.text == SingleModelDecoder(target, SETTINGS, "target").decode(Q).text
 

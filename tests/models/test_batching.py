@@ -1,0 +1,207 @@
+"""Batched decoding: a problem's output in a batch (padded caches, rows leaving and joining) equals its
+output alone, token for token; the sampled path keeps its acceptance rate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from semspec.models.decoding import (
+    DecodeSettings,
+    SemanticSpecDecoder,
+    SingleModelDecoder,
+    SpecReasonDecoder,
+    decode_all,
+)
+from semspec.models.lm import StepStart
+from tests.helpers.tiny import tiny_gemma_lm, tiny_lm
+
+QUESTIONS = [
+    "What is 2 + 3?",
+    "Add 17 and 25, then double it.",
+    "x",
+    "A train leaves at noon and travels 60 km/h for three hours. How far does it go?",
+    "Sum 1..4",
+    "Is 91 prime?",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # different tokenizers; the target sometimes ends a problem early (EOS) so rows leave at different rounds
+    draft = tiny_lm(merged=True, seed=0, boost=2.0, eos_bias=0.5, init=0.2, max_step_tokens=8)
+    target = tiny_lm(merged=False, seed=1, boost=2.0, eos_bias=1.0, hidden=64, init=0.2, max_step_tokens=8)
+    return draft, target
+
+
+def _trace(res):
+    return [(s.author, s.text, s.draft_tokens, s.target_tokens, s.proposal, s.salvaged) for s in res.steps]
+
+
+def _assert_same(batched, alone):
+    assert _trace(batched) == _trace(alone)
+    assert (batched.text, batched.output_tokens, batched.finish_reason) == (
+        alone.text,
+        alone.output_tokens,
+        alone.finish_reason,
+    )
+    assert batched.target_prefill_tokens == alone.target_prefill_tokens
+    for a, b in zip(batched.steps, alone.steps, strict=True):
+        for name in ("p", "q", "u"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or x == pytest.approx(y, abs=1e-4))
+
+
+def _lengths(results):
+    return {r.output_tokens for r in results}
+
+
+def test_forward_rows_equals_one_row_at_a_time():
+    lm = tiny_lm(seed=3)
+    texts = ["Q: a\nA:", "Q: a much longer question here\nA:", "Q: mid size\nA:"]
+    states = [lm.prefill(t) for t in texts]
+    alone = [lm.extend(st.clone(), " step one.\n\n", all_logits=True) for st in states]
+    together = lm.extend_many(
+        [st.clone() for st in states], [" step one.\n\n", " 2", " three, four"], all_logits=True
+    )
+    first = lm.extend_many([st.clone() for st in states], [" step one.\n\n"] * 3, all_logits=True)
+    for (a_state, a_ids, a_logits, a_hidden), (b_state, b_ids, b_logits, b_hidden) in zip(
+        alone, first, strict=True
+    ):
+        assert a_ids == b_ids and a_state.ids == b_state.ids
+        torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a_hidden, b_hidden, atol=1e-4, rtol=1e-4)
+        assert b_state.cache.get_seq_length() == len(b_state.ids)
+    # ragged new chunks: each row's last logits are its own last position's
+    for st, text, (row_state, _, logits, _) in zip(
+        states, [" step one.\n\n", " 2", " three, four"], together, strict=True
+    ):
+        ref = lm.prefill(st.text + text)
+        torch.testing.assert_close(logits[-1], ref.logits, atol=1e-4, rtol=1e-4)
+        assert row_state.ids == ref.ids
+
+
+@pytest.mark.parametrize("window", [64, 12])
+def test_sliding_window_rows_batch_or_fall_back_to_one_at_a_time(window):
+    lm = tiny_gemma_lm(sliding_window=window)
+    contexts = ["Q: a\nA:", "Q: something longer\nA:"]
+    alone = [lm.decode_step(lm.prefill(c), max_tokens=6) for c in contexts]
+    together = lm.decode_steps([StepStart(lm.prefill(c), 6) for c in contexts])
+    for (a, a_state), (b, b_state) in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids and a_state.ids == b_state.ids
+        torch.testing.assert_close(a_state.logits, b_state.logits, atol=1e-4, rtol=1e-4)
+
+
+SETTINGS = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, seed=3)
+
+
+def _decoders(draft, target):
+    return {
+        "target": SingleModelDecoder(target, SETTINGS, "target"),
+        "draft": SingleModelDecoder(draft, SETTINGS, "draft"),
+        "always-accept": SemanticSpecDecoder(draft, target, lambda h: 0.1, lambda h: 1.0, SETTINGS),
+        "always-reject": SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.0, SETTINGS),
+        "mixed": SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.5, SETTINGS),
+        "mixed-gamma2": SemanticSpecDecoder(
+            draft,
+            target,
+            lambda h: 1.0,
+            lambda h: 0.6,
+            DecodeSettings(max_new_tokens=40, step_tokens=8, gamma=2),
+        ),
+        "specreason": SpecReasonDecoder(
+            draft, target, DecodeSettings(max_new_tokens=40, step_tokens=8, accept_threshold=5)
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["target", "draft", "always-accept", "always-reject", "mixed", "mixed-gamma2", "specreason"]
+)
+def test_a_batch_of_four_equals_each_problem_alone(pair, name):
+    decoder = _decoders(*pair)[name]
+    alone = [decoder.decode(q) for q in QUESTIONS]
+    rounds = []
+    real = decoder._advance
+    decoder._advance = lambda rows: (rounds.append(len(rows)), real(rows))[1]
+    seen = []
+    batched = decoder.decode_batch(QUESTIONS, batch_size=4, on_result=lambda i, r: seen.append(i))
+    del decoder._advance
+    for b, a in zip(batched, alone, strict=True):
+        _assert_same(b, a)
+    assert sorted(seen) == list(range(len(QUESTIONS)))
+    assert len(_lengths(alone)) > 1 or len({len(r.steps) for r in alone}) > 1, (
+        "rows must finish at different rounds"
+    )
+    # continuous batching: queued problems joined as rows finished, so the batch stayed full while any waited
+    waiting = len(QUESTIONS) - 4
+    assert rounds[0] == 4 and max(rounds) == 4
+    full_rounds = next(i for i, n in enumerate(rounds) if n < 4) if min(rounds) < 4 else len(rounds)
+    assert seen[:waiting] and full_rounds >= 2, "the late problems joined a full batch"
+    if name in ("mixed", "mixed-gamma2"):
+        authors = {s.author for r in batched for s in r.steps}
+        assert authors == {"draft", "target"}, "mixed decisions need accepts and rejects"
+
+
+def test_streaming_callbacks_see_each_problem_s_own_steps(pair):
+    decoder = _decoders(*pair)["mixed"]
+    streamed: dict[int, list] = {}
+    results = decoder.decode_batch(
+        QUESTIONS[:3], batch_size=3, on_step=lambda i, s: streamed.setdefault(i, []).append(s.text)
+    )
+    assert [streamed[i] for i in range(3)] == [[s.text for s in r.steps] for r in results]
+
+
+def test_decode_all_runs_token_level_decoders_one_at_a_time(pair):
+    _, target = pair
+
+    class OneAtATime:
+        method = "one"
+
+        def __init__(self):
+            self.calls = []
+
+        def decode(self, question, on_step=None):
+            self.calls.append(question)
+            return SingleModelDecoder(target, SETTINGS, "target").decode(question)
+
+    dec = OneAtATime()
+    got = []
+    results = decode_all(dec, QUESTIONS[:3], batch_size=8, on_result=lambda i, r: got.append(i))
+    assert dec.calls == QUESTIONS[:3] and got == [0, 1, 2] and len(results) == 3
+
+
+def test_bad_batch_size(pair):
+    with pytest.raises(ValueError, match="batch_size"):
+        _decoders(*pair)["target"].decode_batch(QUESTIONS, batch_size=0)
+
+
+def test_sampling_keeps_the_acceptance_rate_in_a_batch(pair):
+    """Sampled steps and content-dependent probes: the acceptance rate over many problems is the same
+    in a batch of 4 as one at a time (a two-proportion z-test at 3.5 sigma)."""
+    draft, target = pair
+    settings = DecodeSettings(max_new_tokens=24, step_tokens=6, temperature=1.0, top_p=0.95, seed=0)
+
+    def p_probe(pooled):
+        return float(torch.sigmoid(pooled.h_last.sum() * 4.0))
+
+    questions = [f"Problem {i}: add {i} and {2 * i}." for i in range(24)]
+    rates = []
+    for batch_size in (1, 4):
+        accepted = proposed = 0
+        for seed in range(3):
+            s = DecodeSettings(**{**settings.__dict__, "seed": seed})
+            dec = SemanticSpecDecoder(draft, target, lambda h: 0.6, p_probe, s)
+            for res in dec.decode_batch(questions, batch_size=batch_size):
+                steps = [st for st in res.steps if st.author == "draft" or st.proposal is not None]
+                proposed += len(steps)
+                accepted += sum(st.author == "draft" for st in steps)
+        rates.append((accepted, proposed))
+    (a1, n1), (a4, n4) = rates
+    assert n1 > 100 and n4 > 100
+    p = (a1 + a4) / (n1 + n4)
+    assert 0.1 < p < 0.9, "the probes must accept some steps and reject others"
+    z = abs(a1 / n1 - a4 / n4) / math.sqrt(p * (1 - p) * (1 / n1 + 1 / n4))
+    assert z < 3.5
