@@ -414,17 +414,25 @@ def bench(
     both_salvage: Annotated[
         bool, typer.Option("--both-salvage", help="Also run each SemanticSpec variant the other way.")
     ] = False,
+    batch: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Batch sizes (repeat, e.g. --batch 1 --batch 4 --batch 8): throughput of target and "
+            "SemanticSpec per batch size instead of the one-at-a-time table."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
-    probe) on the same questions; speed-ups by mean latency (the paper's) and per output token."""
+    probe) on the same questions; speed-ups by mean latency (the paper's) and per output token. With
+    --batch: throughput per batch size (continuous batching), each beside the target at that size."""
     import json
 
     from semspec.models.decoding import DecodeSettings
     from semspec.models.lm import load_lm
     from semspec.models.names import PROBE_VARIANTS
     from semspec.models.project import load_pair
-    from semspec.tasks.bench import format_bench, run_bench
+    from semspec.tasks.bench import format_batch_bench, format_bench, run_batch_bench, run_bench
 
     pair_config = _or_exit(load_pair, pair or _default_pair())
     lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
@@ -435,6 +443,12 @@ def bench(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
     settings = DecodeSettings(max_new_tokens=max_new_tokens, salvage=salvage)
+    if batch:
+        summary = _or_exit(
+            run_batch_bench, pair_config, lms, n, settings, tuple(batch), tuple(probe or ["all"])
+        )
+        typer.echo(json.dumps(summary, indent=2) if json_out else format_batch_bench(summary))
+        return
     summary = _or_exit(run_bench, pair_config, lms, n, settings, 0, assisted, variants, both_salvage)
     typer.echo(json.dumps(summary, indent=2) if json_out else format_bench(summary))
 

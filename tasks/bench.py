@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -116,6 +117,85 @@ def run_bench(
     if skipped:
         summary["_skipped"] = skipped
     return summary
+
+
+def run_batch_bench(
+    pair: PairConfig,
+    lms: dict[str, LM],
+    n: int,
+    settings: DecodeSettings,
+    batches: tuple[int, ...] = (1, 4, 8),
+    variants: tuple[str, ...] = ("all",),
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Throughput at each batch size: the same ``n`` questions through ``target`` and SemanticSpec (each
+    variant), every problem decoded in batches of B with continuous batching. Per (B, method): output
+    tokens per second over the batch, mean per-problem latency (join to finish), the ratio to ``target`` at
+    the same B and to the method's own throughput at the smallest B. Token-level methods are batch-1 only
+    and are not in this table."""
+    if n < 1 or not batches or min(batches) < 1:
+        raise ValueError(f"n and every batch size must be >= 1, got n={n}, batches={batches}")
+    methods, skipped = bench_methods(pair, lms, settings, False, variants)
+    methods = [(label, dec) for label, dec in methods if label == "target" or label.startswith(PROBE_METHOD)]
+    questions = [p.question for p in generate_arith(n, "test", seed=seed)]
+    rows: dict[str, Any] = {}
+    with tqdm(total=len(batches) * len(methods) * n, desc="bench --batch", unit="decode") as bar:
+        for i, b in enumerate(sorted(batches)):
+            k = i % len(methods)
+            for label, dec in methods[k:] + methods[:k]:  # rotated: no method always runs first
+                t0 = time.perf_counter()
+                results = dec.decode_batch(questions, b, on_result=lambda *_: bar.update(1))
+                wall = time.perf_counter() - t0
+                tokens = sum(r.output_tokens for r in results)
+                acc = [r.acceptance_rate for r in results if r.acceptance_rate is not None]
+                rows[f"{label}@{b}"] = {
+                    "method": label,
+                    "batch": b,
+                    "wall_s": wall,
+                    "output_tokens": tokens,
+                    "throughput_tps": tokens / wall,
+                    "latency_s": statistics.mean(r.timings.total for r in results),
+                    "step_acceptance": statistics.mean(acc) if acc else None,
+                }
+    for row in rows.values():
+        base = rows.get(f"target@{row['batch']}")
+        first = rows[f"{row['method']}@{min(batches)}"]
+        row["x_target_throughput"] = row["throughput_tps"] / base["throughput_tps"] if base else None
+        row["x_target_latency"] = base["latency_s"] / row["latency_s"] if base else None
+        row["x_own_smallest_batch"] = row["throughput_tps"] / first["throughput_tps"]
+    out: dict[str, Any] = dict(
+        sorted(rows.items(), key=lambda kv: (kv[1]["method"] != "target", kv[1]["method"], kv[1]["batch"]))
+    )
+    out["_models"] = {r: str(lm) for r, lm in lms.items()}
+    out["_notes"] = {
+        "token-level": "specsampling and assisted decode one problem at a time; they are not in this table",
+        "latency": "per problem, from joining the batch to its last step",
+    }
+    if skipped:
+        out["_skipped"] = skipped
+    return out
+
+
+def format_batch_bench(summary: dict[str, Any]) -> str:
+    """The batch table: throughput and latency per (method, batch size), each beside ``target`` at the
+    same batch size; then each model's dtype and the notes."""
+    cols = ["batch", "tok/s", "latency s", "x target tok/s", "x target lat", "x own batch-min", "step acc"]
+    lines = [f"{'method':20s} " + " ".join(f"{c:>15s}" for c in cols)]
+    notes = []
+    for key, s in summary.items():
+        if key.startswith("_"):
+            notes += [f"{key.strip('_')}: {k}: {v}" for k, v in s.items()]
+            continue
+
+        def f(v):
+            return f"{'n/a':>15s}" if v is None else f"{v:15.2f}"
+
+        lines.append(
+            f"{s['method']:20s} {s['batch']:15d} {f(s['throughput_tps'])} {f(s['latency_s'])} "
+            f"{f(s['x_target_throughput'])} {f(s['x_target_latency'])} {f(s['x_own_smallest_batch'])} "
+            f"{f(s['step_acceptance'])}"
+        )
+    return "\n".join(lines + notes)
 
 
 def format_bench(summary: dict[str, dict[str, Any]]) -> str:

@@ -173,6 +173,9 @@ class EvaluateConfig:
     min_ratio: float | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
+    batch_size: int = (
+        1  # problems decoded at once by the step-level methods (token-level ones: one at a time)
+    )
 
     def __post_init__(self) -> None:
         bad = set(self.benchmarks) - set(EVAL_BENCHMARKS)
@@ -188,7 +191,9 @@ class EvaluateConfig:
             raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:
             raise ValueError("evaluate: field 'seeds' needs at least one seed")
-        _positive("evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma)
+        _positive(
+            "evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma, batch_size=self.batch_size
+        )
         if self.levels is not None and (
             not self.levels or any(not isinstance(v, int) or not 1 <= v <= 5 for v in self.levels)
         ):

@@ -29,7 +29,7 @@ import numpy as np
 from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
-from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
+from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable, decode_all
 from semspec.models.grading import grade
 from semspec.models.lm import LM, load_lm
 from semspec.models.names import PROBE_METHOD, ROLES, parse_label
@@ -329,25 +329,39 @@ def _decode_missing(
         for label in labels:
             rows[bench, label] = _resume(out_dir / bench / f"{label}.jsonl", keys[label])
     done = {(b, r["method"], r["question_id"], r["seed"]) for (b, _), rs in rows.items() for r in rs}
-    todo = [
-        (bench, seed, i, prob)
+    chunk = 4 * cfg.batch_size  # problems per turn of a method: enough queue to keep its batch full
+    turns = [
+        (bench, seed, probs[i : i + chunk])
         for bench, probs in problems.items()
         for seed in cfg.seeds
-        for i, prob in enumerate(probs)
+        for i in range(0, len(probs), chunk)
     ]
-    with tqdm(total=len(todo) * len(labels), initial=len(done), desc="evaluate", unit="decode") as bar:
-        for bench, seed, i, prob in todo:
-            order = labels[i % len(labels) :] + labels[: i % len(labels)]  # rotate who goes first
-            for label in order:
-                if (bench, label, prob.question_id, seed) in done:
-                    continue
-                res = decoders[bench, seed][label].decode(prob.question)
-                pred, ok = grade(bench, prob.answer, res.text)
-                row = {**problem_row(prob, seed, label, res, pred, ok), "run_key": keys[label]}
-                rows[bench, label].append(row)
-                with open(out_dir / bench / f"{label}.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row, default=str) + "\n")  # appended as it finishes: a crash keeps it
-                bar.update(1)
+    with tqdm(
+        total=sum(len(t[2]) for t in turns) * len(labels),
+        initial=len(done),
+        desc="evaluate",
+        unit="decode",
+    ) as bar:
+        for n, (bench, seed, probs) in enumerate(turns):
+            for label in labels[n % len(labels) :] + labels[: n % len(labels)]:  # rotate who goes first
+                todo = [p for p in probs if (bench, label, p.question_id, seed) not in done]
+                path = out_dir / bench / f"{label}.jsonl"
+
+                def keep(
+                    i: int, res: DecodeResult, todo=todo, label=label, path=path, bench=bench, seed=seed
+                ) -> None:
+                    prob = todo[i]
+                    pred, ok = grade(bench, prob.answer, res.text)
+                    row = {**problem_row(prob, seed, label, res, pred, ok), "run_key": keys[label]}
+                    row["batch_size"] = cfg.batch_size
+                    rows[bench, label].append(row)
+                    with open(path, "a", encoding="utf-8") as f:
+                        f.write(
+                            json.dumps(row, default=str) + "\n"
+                        )  # appended as it finishes: a crash keeps it
+                    bar.update(1)
+
+                decode_all(decoders[bench, seed][label], [p.question for p in todo], cfg.batch_size, keep)
     return rows
 
 

@@ -90,10 +90,13 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
     # a crash after the first problem of `draft`: one row kept, and half a line
     path.write_text(rows[0] + "\n" + rows[1][:20])
     calls = []
-    real = SingleModelDecoder.decode
-    monkeypatch.setattr(
-        SingleModelDecoder, "decode", lambda self, q, on_step=None: calls.append(self.role) or real(self, q)
-    )
+    real = SingleModelDecoder.decode_batch
+
+    def counted(self, questions, *args, **kw):
+        calls.extend([self.role] * len(questions))
+        return real(self, questions, *args, **kw)
+
+    monkeypatch.setattr(SingleModelDecoder, "decode_batch", counted)
     again = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
     assert calls == ["draft", "draft"], "only the two lost draft problems are decoded again"
     assert len(path.read_text().splitlines()) == 3
@@ -121,3 +124,56 @@ def test_bench_runs_token_speculation_or_says_why_not():
     other = {"draft": tiny_lm(merged=True, max_step_tokens=4), "target": same["target"]}
     out = run_bench(_pair(), other, 1, settings, with_assisted=False, variants=())
     assert "specsampling" not in out and "different tokenizers" in out["_skipped"]["specsampling"]
+
+
+def test_evaluate_in_batches_writes_the_same_answers(tmp_path):
+    """Batched evaluation (continuous batching over 5 problems, 2 at a time) gives every problem the answer
+    it gets alone; the batch size is part of the run key (latencies differ) and of each row."""
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    texts = {}
+    for batch_size in (1, 2):
+        cfg = EvaluateConfig(
+            benchmarks={"arith": 5}, methods=["target", "draft"], max_new_tokens=12, batch_size=batch_size
+        )
+        out = tmp_path / str(batch_size)
+        run_evaluate(cfg, _pair(), out, lms=lms, log_mlflow=False)
+        rows = [json.loads(line) for line in (out / "arith" / "target.jsonl").read_text().splitlines()]
+        assert {r["batch_size"] for r in rows} == {batch_size} and len(rows) == 5
+        texts[batch_size] = ({r["question_id"]: r["text"] for r in rows}, {r["run_key"] for r in rows})
+    assert texts[1][0] == texts[2][0]
+    assert texts[1][1] != texts[2][1]
+    with pytest.raises(ValueError, match="batch_size"):
+        EvaluateConfig(batch_size=0)
+
+
+def test_batch_bench_reports_each_batch_size_beside_the_target(monkeypatch):
+    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+    from semspec.tasks import bench
+
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
+    real = bench.build_decoder
+
+    def build(method, pair, lms, settings, variant="all", pins=None):  # probes without a registry
+        if method == "semanticspec":
+            return SemanticSpecDecoder(lms["draft"], lms["target"], lambda h: 1.0, lambda h: 0.5, settings)
+        return real(method, pair, lms, settings, variant, pins)
+
+    monkeypatch.setattr(bench, "build_decoder", build)
+    out = bench.run_batch_bench(_pair(), lms, 3, settings, batches=(1, 2))
+    rows = [v for k, v in out.items() if not k.startswith("_")]
+    assert [(r["method"], r["batch"]) for r in rows] == [
+        ("target", 1),
+        ("target", 2),
+        ("semanticspec-all", 1),
+        ("semanticspec-all", 2),
+    ]
+    assert all(r["throughput_tps"] > 0 and r["output_tokens"] > 0 for r in rows)
+    assert out["target@2"]["x_target_throughput"] == pytest.approx(1.0)
+    spec = out["semanticspec-all@2"]
+    assert spec["x_target_throughput"] == pytest.approx(
+        spec["throughput_tps"] / out["target@2"]["throughput_tps"]
+    )
+    assert "token-level" in out["_notes"] and "float32" in bench.format_batch_bench(out)
+    with pytest.raises(ValueError, match="batch"):
+        bench.run_batch_bench(_pair(), lms, 3, settings, batches=(0,))
