@@ -127,6 +127,15 @@ def probe_probability(probe: nn.Module, pooled) -> float:
     return float(probe(probe_input(probe, pooled))[0])
 
 
+@torch.inference_mode()
+def probe_probabilities(probe: nn.Module, pooled: list) -> list[float]:
+    """Semantic probabilities of many pooled steps, in one forward: (B, D) or (B, L+1, D) -> B values."""
+    if not pooled:
+        return []
+    x = torch.cat([probe_input(probe, p) for p in pooled])
+    return [float(v) for v in probe(x)]
+
+
 def probe_config(probe: nn.Module) -> dict[str, Any]:
     """The JSON description of a probe: enough to rebuild the module its weights belong to."""
     if isinstance(probe, RandomProbe):

@@ -173,9 +173,8 @@ class EvaluateConfig:
     min_ratio: float | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
-    batch_size: int = (
-        1  # problems decoded at once by the step-level methods (token-level ones: one at a time)
-    )
+    batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
+    actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
 
     def __post_init__(self) -> None:
         bad = set(self.benchmarks) - set(EVAL_BENCHMARKS)
@@ -194,6 +193,8 @@ class EvaluateConfig:
         _positive(
             "evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma, batch_size=self.batch_size
         )
+        if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
+            raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")
         if self.levels is not None and (
             not self.levels or any(not isinstance(v, int) or not 1 <= v <= 5 for v in self.levels)
         ):

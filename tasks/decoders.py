@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from semspec.models.decoding import (
     Decoder,
     DecodeSettings,
@@ -12,21 +14,44 @@ from semspec.models.decoding import (
     SingleModelDecoder,
     SpecReasonDecoder,
 )
-from semspec.models.lm import LM
+from semspec.models.lm import LM, Pooled
 from semspec.models.names import METHODS, PROBE_VARIANTS
 from semspec.models.pair import PairConfig
-from semspec.models.probe import probe_probability
+from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
 from semspec.tasks.probe_registry import load_probe
 
 log = logging.getLogger(__name__)
 
 
+class RegisteredProbe:
+    """A registered probe as a function of pooled hidden states; ``many`` scores a batch in one call."""
+
+    def __init__(self, probe: torch.nn.Module, sha256: str) -> None:
+        self.probe, self.sha256 = probe, sha256
+
+    def __call__(self, pooled: Pooled) -> float:
+        return probe_probability(self.probe, pooled)
+
+    def many(self, pooled: list[Pooled]) -> list[float]:
+        """Semantic probabilities of a batch of pooled steps, one forward."""
+        return probe_probabilities(self.probe, pooled)
+
+
+_PINNED: dict[tuple, RegisteredProbe] = {}  # pinned versions never change: read each once per process
+
+
 def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = None) -> tuple[ProbeFn, str]:
     """The registered probe of ``role`` (``version``, default the ``champion``) as a function of pooled
-    hidden states, and the sha256 of its weights."""
-    probe, ref = load_probe(pair, role, variant, lm.model_id, lm.hidden_size, version=version)
-    return (lambda pooled: probe_probability(probe, pooled)), ref.sha256
+    hidden states, and the sha256 of its weights. A pinned version is read from the registry once."""
+    key = (pair, role, variant, lm.model_id, lm.hidden_size, version)
+    if version is None or key not in _PINNED:
+        probe, ref = load_probe(pair, role, variant, lm.model_id, lm.hidden_size, version=version)
+        fn = RegisteredProbe(probe, ref.sha256)
+        if version is None:
+            return fn, fn.sha256
+        _PINNED[key] = fn
+    return _PINNED[key], _PINNED[key].sha256
 
 
 def build_decoder(

@@ -14,18 +14,22 @@ settings, pair file, probe versions) is kept and not decoded again; rows with an
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import random
 import shutil
 import statistics
 import warnings
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import numpy as np
+import torch
 from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
@@ -39,6 +43,7 @@ from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.io import config_hash, write_json_atomic
 from semspec.tasks.probe_registry import read_pointers, setup_experiment
+from semspec.tasks.ray_utils import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +214,15 @@ _SELECTION = (
 )  # which rows, not how
 
 
-def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> str:
+def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any) -> str:
     """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file
-    and, for SemanticSpec, the probe versions. Rows with another key are stale and decoded again."""
+    and, for SemanticSpec, its ``run_identity`` (probe versions, salvage). Rows with another key are stale
+    and decoded again. The number of actors is not part of it (a row does not depend on which replica
+    decoded it); the batch size is (latencies do)."""
     settings = {
-        k: v for k, v in asdict(cfg).items() if k not in ("benchmarks", "methods", "probe_variants", "seeds")
+        k: v
+        for k, v in asdict(cfg).items()
+        if k not in ("benchmarks", "methods", "probe_variants", "seeds", "actors")
     }
     spec = {k: v for k, v in asdict(pair).items() if k != "description"}
     return config_hash(
@@ -221,7 +230,7 @@ def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, decoder: Any) -> 
             "evaluate": settings,
             "pair": spec,
             "label": label,
-            "probes": getattr(decoder, "run_identity", None),
+            "probes": identity,
         }
     )
 
@@ -263,19 +272,26 @@ def run_evaluate(
     (plus ``_skipped`` benchmarks, ``_skipped_methods`` and ``_models``). SemanticSpec uses the probe
     versions ``pins`` names (see ``build_decoder``), else the champions. Resumes per problem (see the
     module notes)."""
-    lms = lms or {r: load_lm(pair.role(r)) for r in ROLES}
     problems, skipped = _load_problems(cfg, data_dir)
-    log.info("evaluate: %s", ", ".join(f"{r} {lm}" for r, lm in lms.items()))
-    # 1. decoders per (benchmark, seed); methods that cannot run on this pair are skipped with the reason
-    decoders, not_run = {}, {}
-    for bench in problems:
-        for seed in cfg.seeds:
-            decoders[bench, seed], not_run = _decoders(cfg, pair, lms, bench, seed, pins)
-    for label, why in not_run.items():
-        log.warning("evaluate: skipping %s: %s", label, why)
-    labels = [x for x in cfg.method_labels() if x not in not_run]
-    # 2. decode what is not on disk yet with the same settings (resume)
-    rows = _decode_missing(cfg, pair, problems, decoders, labels, out_dir)
+    pool = _pool(cfg, pair, pins, lms)
+    try:
+        # 1. what the decoders are: methods that cannot run on this pair are skipped with the reason
+        plan = pool.plan(next(iter(problems)))
+        log.info(
+            "evaluate: %s",
+            ", ".join(
+                f"{r} {d['model_id']} ({d['dtype']}, {d['device']})" for r, d in plan["models"].items()
+            ),
+        )
+        not_run = plan["not_run"]
+        for label, why in not_run.items():
+            log.warning("evaluate: skipping %s: %s", label, why)
+        labels = [x for x in cfg.method_labels() if x not in not_run]
+        keys = {label: run_key(cfg, pair, label, plan["identity"][label]) for label in labels}
+        # 2. decode what is not on disk yet with the same settings (resume)
+        rows = _decode_missing(cfg, problems, labels, keys, out_dir, pool)
+    finally:
+        pool.close()
     # 3. keep only the rows of this run's problems (a smaller run must not count an earlier, larger one's)
     wanted = {(b, p.question_id, s) for b, ps in problems.items() for p in ps for s in cfg.seeds}
     rows = {k: [r for r in rs if (k[0], r["question_id"], r["seed"]) in wanted] for k, rs in rows.items()}
@@ -287,12 +303,12 @@ def run_evaluate(
         metrics["_skipped"] = skipped
     if not_run:
         metrics["_skipped_methods"] = not_run
-    metrics["_models"] = {r: lm.describe() for r, lm in lms.items()}
+    metrics["_models"] = plan["models"]
     write_json_atomic(metrics, out_dir / "metrics.json")
     if plots_dir is not None:
         write_plots(metrics, rows, plots_dir)
     if log_mlflow:
-        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, lms)
+        log_to_mlflow(cfg, pair, metrics, plots_dir, labels)
     return metrics
 
 
@@ -314,55 +330,166 @@ def _load_problems(
 
 def _decode_missing(
     cfg: EvaluateConfig,
-    pair: PairConfig,
     problems: dict[str, list[Problem]],
-    decoders: dict[tuple[str, int], dict[str, Any]],
     labels: list[str],
+    keys: dict[str, str],
     out_dir: Path,
+    pool: _LocalPool | _RayPool,
 ) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Rows per (benchmark, label): those on disk with this run's key, plus every missing problem decoded
-    now and appended to its file as it finishes."""
+    now by the pool and appended to its file as it finishes (by this process only: no duplicates)."""
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    keys = {label: run_key(cfg, pair, label, decoders[next(iter(decoders))][label]) for label in labels}
     for bench in problems:
         (out_dir / bench).mkdir(parents=True, exist_ok=True)
         for label in labels:
             rows[bench, label] = _resume(out_dir / bench / f"{label}.jsonl", keys[label])
     done = {(b, r["method"], r["question_id"], r["seed"]) for (b, _), rs in rows.items() for r in rs}
     chunk = 4 * cfg.batch_size  # problems per turn of a method: enough queue to keep its batch full
-    turns = [
-        (bench, seed, probs[i : i + chunk])
-        for bench, probs in problems.items()
-        for seed in cfg.seeds
-        for i in range(0, len(probs), chunk)
-    ]
+    turns = []
+    for bench, probs in problems.items():
+        for seed in cfg.seeds:
+            for n, i in enumerate(range(0, len(probs), chunk)):
+                for label in labels[n % len(labels) :] + labels[: n % len(labels)]:  # rotate who goes first
+                    todo = [
+                        p for p in probs[i : i + chunk] if (bench, label, p.question_id, seed) not in done
+                    ]
+                    if todo:
+                        turns.append(Turn(bench, seed, label, todo))
+    total = sum(len(probs) for probs in problems.values()) * len(cfg.seeds) * len(labels)
     with tqdm(
-        total=sum(len(t[2]) for t in turns) * len(labels),
-        initial=len(done),
-        desc="evaluate",
-        unit="decode",
+        total=total, initial=total - sum(len(t.problems) for t in turns), desc="evaluate", unit="decode"
     ) as bar:
-        for n, (bench, seed, probs) in enumerate(turns):
-            for label in labels[n % len(labels) :] + labels[: n % len(labels)]:  # rotate who goes first
-                todo = [p for p in probs if (bench, label, p.question_id, seed) not in done]
-                path = out_dir / bench / f"{label}.jsonl"
 
-                def keep(
-                    i: int, res: DecodeResult, todo=todo, label=label, path=path, bench=bench, seed=seed
-                ) -> None:
-                    prob = todo[i]
-                    pred, ok = grade(bench, prob.answer, res.text)
-                    row = {**problem_row(prob, seed, label, res, pred, ok), "run_key": keys[label]}
-                    row["batch_size"] = cfg.batch_size
-                    rows[bench, label].append(row)
-                    with open(path, "a", encoding="utf-8") as f:
-                        f.write(
-                            json.dumps(row, default=str) + "\n"
-                        )  # appended as it finishes: a crash keeps it
-                    bar.update(1)
+        def keep(turn: Turn, i: int, res: DecodeResult) -> None:
+            prob = turn.problems[i]
+            pred, ok = grade(turn.bench, prob.answer, res.text)
+            row = {**problem_row(prob, turn.seed, turn.label, res, pred, ok), "run_key": keys[turn.label]}
+            row["batch_size"] = cfg.batch_size
+            rows[turn.bench, turn.label].append(row)
+            with open(out_dir / turn.bench / f"{turn.label}.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row, default=str) + "\n")  # appended as it finishes: a crash keeps it
+            bar.update(1)
 
-                decode_all(decoders[bench, seed][label], [p.question for p in todo], cfg.batch_size, keep)
+        pool.run(turns, keep)
     return rows
+
+
+@dataclass
+class Turn:
+    """Problems of one benchmark and seed for one method, decoded in one batched call."""
+
+    bench: str
+    seed: int
+    label: str
+    problems: list[Problem]
+
+
+class EvalWorker:
+    """One replica of the pair and its decoders (in-process, or a Ray actor)."""
+
+    def __init__(
+        self,
+        cfg: EvaluateConfig,
+        pair: PairConfig,
+        pins: dict[str, str] | None,
+        lms: dict[str, LM] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.cfg, self.pair, self.pins = cfg, pair, pins
+        self.lms = lms or {r: load_lm(pair.role(r)) for r in ROLES}
+        self._built: dict[tuple[str, int], tuple[dict[str, Any], dict[str, str]]] = {}
+
+    def decoders(self, bench: str, seed: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """The decoders of (benchmark, seed), built once."""
+        if (bench, seed) not in self._built:
+            self._built[bench, seed] = _decoders(self.cfg, self.pair, self.lms, bench, seed, self.pins)
+        return self._built[bench, seed]
+
+    def plan(self, bench: str) -> dict[str, Any]:
+        """The models (id, dtype, device), the labels that cannot run with why, each label's run identity
+        (the same for every benchmark: ``bench`` is where the decoders are built first)."""
+        decoders, not_run = self.decoders(bench, self.cfg.seeds[0])
+        identity = {label: getattr(dec, "run_identity", None) for label, dec in decoders.items()}
+        return {
+            "models": {r: lm.describe() for r, lm in self.lms.items()},
+            "not_run": not_run,
+            "identity": identity,
+        }
+
+    def decode(
+        self, turn: Turn, on_result: Callable[[int, DecodeResult], None] | None = None
+    ) -> list[DecodeResult]:
+        """Decode a turn's problems (batched where the method can be)."""
+        decoder = self.decoders(turn.bench, turn.seed)[0][turn.label]
+        return decode_all(decoder, [p.question for p in turn.problems], self.cfg.batch_size, on_result)
+
+
+class _LocalPool:
+    """One in-process worker; rows are kept as each problem finishes."""
+
+    def __init__(self, worker: EvalWorker) -> None:
+        self.worker = worker
+
+    def plan(self, bench: str) -> dict[str, Any]:
+        return self.worker.plan(bench)
+
+    def run(self, turns: list[Turn], keep: Callable[[Turn, int, DecodeResult], None]) -> None:
+        for turn in turns:
+            self.worker.decode(turn, functools.partial(keep, turn))
+
+    def close(self) -> None:
+        pass
+
+
+class _RayPool:
+    """Ray actors, each a worker with its share of the cores (or one GPU); turns go to whichever actor is
+    free, and each turn's rows are kept by the driver when it returns."""
+
+    def __init__(self, cfg: EvaluateConfig, pair: PairConfig, pins: dict[str, str] | None, n: int) -> None:
+        import ray  # only the Ray pool needs it (a slow import)
+
+        init_ray()
+        self.ray = ray
+        cuda = any(pair.role(r).uses_cuda for r in ROLES)
+        cpus = max(1, int(ray.available_resources().get("CPU", os.cpu_count() or 1)) // n)
+        opts = {"num_cpus": cpus, "num_gpus": 1 if cuda else 0}
+        remote = ray.remote(EvalWorker)
+        self.actors = [remote.options(**opts).remote(cfg, pair, pins, None, cpus) for _ in range(n)]
+        log.info("evaluate: %d Ray actors, %d CPUs%s each", n, cpus, " and one GPU" if cuda else "")
+
+    def plan(self, bench: str) -> dict[str, Any]:
+        return self.ray.get(self.actors[0].plan.remote(bench))
+
+    def run(self, turns: list[Turn], keep: Callable[[Turn, int, DecodeResult], None]) -> None:
+        queue, idle, pending = list(turns), list(self.actors), {}
+        while queue or pending:
+            while idle and queue:
+                actor, turn = idle.pop(), queue.pop(0)
+                pending[actor.decode.remote(turn)] = (actor, turn)
+            ready, _ = self.ray.wait(list(pending), num_returns=1)
+            actor, turn = pending.pop(ready[0])
+            for i, res in enumerate(self.ray.get(ready[0])):
+                keep(turn, i, res)
+            idle.append(actor)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+
+
+def _pool(
+    cfg: EvaluateConfig, pair: PairConfig, pins: dict[str, str] | None, lms: dict[str, LM] | None
+) -> _LocalPool | _RayPool:
+    """Where problems are decoded: Ray actors (``evaluate.actors``, or one per GPU for a cuda pair), else
+    in this process (given ``lms`` always run here)."""
+    n = cfg.actors
+    if n is None and any(pair.role(r).uses_cuda for r in ROLES):
+        n = torch.cuda.device_count() or None
+    if lms is not None or not n:
+        return _LocalPool(EvalWorker(cfg, pair, pins, lms))
+    return _RayPool(cfg, pair, pins, n)
 
 
 def write_plots(
@@ -443,7 +570,6 @@ def log_to_mlflow(
     metrics: dict[str, Any],
     plots_dir: Path | None,
     labels: list[str] | None = None,
-    lms: dict[str, LM] | None = None,
 ) -> None:
     """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``,
     each model's dtype as a param."""
@@ -462,7 +588,7 @@ def log_to_mlflow(
                     "min_ratio": cfg.min_ratio,
                     "seeds": cfg.seeds,
                     "benchmarks": cfg.benchmarks,
-                    **{f"{r}_dtype": lm.dtype_name for r, lm in (lms or {}).items()},
+                    **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},
                 }
             )
             for bench, ms in metrics.items():

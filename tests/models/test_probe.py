@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from semspec.models.lm import Pooled
-from semspec.models.probe import ProbeMLP, RandomProbe, load_probe_folder, probe_probability, save_probe
+from semspec.models.probe import (
+    ProbeMLP,
+    RandomProbe,
+    load_probe_folder,
+    probe_probabilities,
+    probe_probability,
+    save_probe,
+)
 
 
 def test_mlp_probe_outputs_probabilities():
@@ -120,3 +127,13 @@ def test_a_pickle_format_probe_is_refused_before_anything_is_unpickled(tmp_path)
     (tmp_path / "data" / "model.pth").write_bytes(b"\x80\x04 a pickle that must never be opened")
     with pytest.raises(ValueError, match=r"pickle-format probe.*retrain"):
         load_probe_folder(tmp_path)
+
+
+@pytest.mark.parametrize("feature", ["all", "last", "mix"])
+def test_a_batch_of_steps_scores_as_each_step_alone(feature):
+    torch.manual_seed(0)
+    probe = ProbeMLP(8, [4], feature, num_layers=4).eval()
+    pooled = [Pooled(torch.randn(4, 8)) for _ in range(5)]
+    batched = probe_probabilities(probe, pooled)
+    assert batched == pytest.approx([probe_probability(probe, p) for p in pooled], abs=1e-6)
+    assert len(set(batched)) > 1 and probe_probabilities(probe, []) == []

@@ -177,3 +177,28 @@ def test_batch_bench_reports_each_batch_size_beside_the_target(monkeypatch):
     assert "token-level" in out["_notes"] and "float32" in bench.format_batch_bench(out)
     with pytest.raises(ValueError, match="batch"):
         bench.run_batch_bench(_pair(), lms, 3, settings, batches=(0,))
+
+
+def test_evaluate_spreads_problems_over_two_ray_actors(tmp_path, monkeypatch):
+    """Two CPU actors, each a replica of the pair running a batched decoder: every problem is decoded
+    once, the rows equal an in-process run's, and resuming in-process finds nothing left to decode."""
+    from tests.helpers.pipeline import write_tiny_pair
+
+    pair = write_tiny_pair(tmp_path, max_step_tokens=4)
+    common = {
+        "benchmarks": {"arith": 6},
+        "methods": ["target", "draft"],
+        "max_new_tokens": 8,
+        "batch_size": 2,
+    }
+    out = {}
+    for actors in (2, 0):
+        run_evaluate(EvaluateConfig(**common, actors=actors), pair, tmp_path / str(actors), log_mlflow=False)
+        lines = (tmp_path / str(actors) / "arith" / "target.jsonl").read_text().splitlines()
+        out[actors] = {json.loads(x)["question_id"]: json.loads(x) for x in lines}
+        assert len(lines) == 6 == len(out[actors]), "each problem exactly once"
+    assert {q: r["text"] for q, r in out[0].items()} == {q: r["text"] for q, r in out[2].items()}
+    calls = []
+    monkeypatch.setattr(SingleModelDecoder, "decode_batch", lambda self, qs, *a, **k: calls.append(qs) or [])
+    again = run_evaluate(EvaluateConfig(**common, actors=0), pair, tmp_path / "2", log_mlflow=False)
+    assert calls == [] and again["arith"]["target"]["n"] == 6
