@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from semspec.models.names import ROLES
+
 SOURCES = ("hub", "local", "package")
 MODEL_SOURCES = (*SOURCES, "parts")  # parts: one GGUF file split over several PyPI packages
 DTYPES = ("float32", "float16", "bfloat16", "auto")
@@ -169,8 +171,8 @@ class PairConfig:
 
     def role(self, role: str) -> ModelSpec:
         """The spec of ``role`` ('draft' or 'target')."""
-        if role not in ("draft", "target"):
-            raise ValueError(f"role must be 'draft' or 'target', got {role!r}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.draft if role == "draft" else self.target
 
     @classmethod
