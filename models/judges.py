@@ -10,6 +10,11 @@ Two judges share one interface (:meth:`Judge.cluster`):
 
 Clustering follows the paper: each sample joins the first cluster whose representative (its first
 member) it is equivalent to, else starts a new cluster.
+
+Long contexts: a judge that reads the question and prefix with each step (``cluster.with_question``) must
+still see every step whole. Each side is cut to the judge's window by dropping the *start* of the context
+(its end, nearest the step, is kept); a step that alone does not fit is not judged (``None``: the stage
+counts it as invalid). Truncated contexts are counted.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,13 +69,69 @@ def semantic_entropy(cluster_ids: Sequence[int]) -> float:
     return -sum((k / n) * math.log(k / n) for k in counts.values())
 
 
+@dataclass
+class Clustering:
+    """Cluster ids of one prefix's steps (None: the step alone exceeds the judge's window) and how many
+    sides had their context cut to fit."""
+
+    ids: list[int | None]
+    truncated: int = 0
+
+
+def fit_context(tokenizer, context: str, step: str, budget: int) -> tuple[str | None, bool]:
+    """``context + step`` in at most ``budget`` tokens, dropping the context's start (whole tokens, cut
+    at a token's first character); returns the text and whether the context was cut, or ``(None, False)``
+    when the step alone does not fit."""
+    n_step = len(tokenizer(step, add_special_tokens=False)["input_ids"])
+    if n_step > budget:
+        return None, False
+    if not context:
+        return step, False
+    enc = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+    room, n = budget - n_step, len(enc["input_ids"])
+    if n <= room:
+        return context + step, False
+    if room == 0:
+        return step, True
+    return context[enc["offset_mapping"][n - room][0] :] + step, True
+
+
 class Judge:
     """Common interface: cluster the texts of one prefix."""
 
-    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
-        """Cluster ids for ``texts`` (the valid samples of one prefix); ``premise`` is prepended to each
-        side when the judge is configured to use the question/prefix."""
+    def cluster(self, texts: list[str], premise: str = "") -> Clustering:
+        """Cluster ids for ``texts`` (the valid samples of one prefix); ``premise`` is read before each
+        step when the judge is configured to use the question/prefix (cut from its start to fit)."""
         raise NotImplementedError
+
+    def _fit(self, texts: list[str], premise: str) -> tuple[list[str | None], int]:
+        """Each side as the judge reads it (None: the step does not fit) and the number cut."""
+        budget = self.side_budget()
+        if budget is None or self.tokenizer is None:
+            return [premise + t for t in texts], 0
+        fitted = [fit_context(self.tokenizer, premise, t, budget) for t in texts]
+        return [text for text, _ in fitted], sum(cut for _, cut in fitted)
+
+    def side_budget(self) -> int | None:
+        """Tokens one side may take (None: no limit known)."""
+        return None
+
+    tokenizer = None
+
+
+def _cluster_fitting(
+    sides: list[str | None], equivalent: Callable[[int, list[int]], list[bool]]
+) -> list[int | None]:
+    """``greedy_cluster`` over the sides that fit (indices into ``sides``); None for the others."""
+    keep = [i for i, side in enumerate(sides) if side is not None]
+    ids = greedy_cluster(len(keep), lambda j, reps: equivalent(keep[j], [keep[r] for r in reps]))
+    out: list[int | None] = [None] * len(sides)
+    for i, c in zip(keep, ids, strict=True):
+        out[i] = c
+    return out
+
+
+_MARGIN = 2  # tokens kept free per side: a context and a step tokenised together may merge or split one
 
 
 _NUM_RE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -93,12 +155,19 @@ class EmbeddingJudge(Judge):
         encode: Callable[[list[str]], torch.Tensor],
         threshold: float = 0.9,
         numbers_must_match: bool = False,
+        tokenizer=None,
+        window: int | None = None,
     ) -> None:
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         self.encode = encode  # texts -> (N, E) embeddings
         self.threshold = threshold
         self.numbers_must_match = numbers_must_match
+        self.tokenizer, self.window = tokenizer, window  # word pieces the encoder reads (MiniLM: 256)
+
+    def side_budget(self) -> int | None:
+        """The encoder's window less [CLS], [SEP] and a margin."""
+        return None if self.window is None else self.window - 2 - _MARGIN
 
     def numbers_agree(self, a: str, b: str) -> bool:
         """False only when the number rule is on and the steps end on different numbers."""
@@ -112,20 +181,23 @@ class EmbeddingJudge(Judge):
         emb = torch.nn.functional.normalize(self.encode(texts).float(), dim=-1)  # (N, E)
         return emb @ emb.T
 
-    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
+    def cluster(self, texts: list[str], premise: str = "") -> Clustering:
         if not texts:
-            return []
-        sim = self.similarity([premise + t for t in texts])  # (N, N)
+            return Clustering([])
+        sides, truncated = self._fit(texts, premise)
+        keep = [i for i, side in enumerate(sides) if side is not None]
+        emb = self.similarity([sides[i] for i in keep]) if keep else torch.empty(0, 0)  # (K, K)
+        row = {i: k for k, i in enumerate(keep)}
         norm = [normalize_step(t) for t in texts]
 
         def equivalent(i: int, reps: list[int]) -> list[bool]:
             return [
                 norm[i] == norm[r]
-                or (float(sim[i, r]) >= self.threshold and self.numbers_agree(texts[i], texts[r]))
+                or (float(emb[row[i], row[r]]) >= self.threshold and self.numbers_agree(texts[i], texts[r]))
                 for r in reps
             ]
 
-        return greedy_cluster(len(texts), equivalent)
+        return Clustering(_cluster_fitting(sides, equivalent), truncated)
 
 
 class NLIJudge(Judge):
@@ -135,6 +207,9 @@ class NLIJudge(Judge):
         if mode not in ("strict", "lenient"):
             raise ValueError(f"mode must be 'strict' or 'lenient', got {mode!r}")
         self.model, self.tokenizer, self.mode, self.batch_size = model.eval(), tokenizer, mode, batch_size
+        positions = getattr(model.config, "max_position_embeddings", None)
+        limits = [v for v in (getattr(tokenizer, "model_max_length", None), positions) if v and v < 10**6]
+        self.max_length: int | None = min(limits) if limits else None
         labels = {str(v).lower(): int(k) for k, v in model.config.id2label.items()}
         try:
             self.entail = next(i for name, i in labels.items() if name.startswith("entail"))
@@ -174,11 +249,18 @@ class NLIJudge(Judge):
         n = len(pairs)
         return [self.decide(labels[i], labels[n + i]) for i in range(n)]
 
-    def cluster(self, texts: list[str], premise: str = "") -> list[int]:
-        sides = [premise + t for t in texts]
-        return greedy_cluster(
-            len(texts), lambda i, reps: self.equivalent_pairs([(sides[i], sides[r]) for r in reps])
+    def side_budget(self) -> int | None:
+        """Half of the classifier's window less its special tokens and a margin: both sides fit whole."""
+        if self.max_length is None:
+            return None
+        return (self.max_length - self.tokenizer.num_special_tokens_to_add(pair=True)) // 2 - _MARGIN
+
+    def cluster(self, texts: list[str], premise: str = "") -> Clustering:
+        sides, truncated = self._fit(texts, premise)
+        ids = _cluster_fitting(
+            sides, lambda i, reps: self.equivalent_pairs([(sides[i], sides[r]) for r in reps])
         )
+        return Clustering(ids, truncated)
 
 
 def load_labelled_pairs(path: Path) -> list[tuple[bool, str, str]]:
@@ -232,7 +314,9 @@ def load_judge(spec: JudgeSpec) -> Judge:
                 texts, batch_size=spec.batch_size, convert_to_tensor=True, show_progress_bar=False
             ).cpu()
 
-        return EmbeddingJudge(encode, spec.threshold, spec.numbers_must_match)
+        return EmbeddingJudge(
+            encode, spec.threshold, spec.numbers_must_match, st.tokenizer, st.max_seq_length
+        )
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=spec.trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
         where, trust_remote_code=spec.trust_remote_code

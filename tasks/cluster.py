@@ -1,7 +1,8 @@
 """Stage ``cluster``: group each prefix's samples by meaning -> semantic-probability labels.
 
-A sample's label is ``|its cluster| / n_valid``. Empty samples are invalid: counted per prefix
-(``n_invalid``) and not labelled. Samples cut by the step budget are labelled like any other
+A sample's label is ``|its cluster| / n_valid``. Empty samples, and steps longer than the judge's
+window, are invalid: counted per prefix (``n_invalid``) and not labelled. ``n_truncated`` counts the
+samples whose question/prefix context was cut (from its start) so that the judge saw the step whole. Samples cut by the step budget are labelled like any other
 (``cluster.label_length_cut``, default on): the decoders cut steps at the same budget and the probes
 score those steps too, so they must see such steps in training. The judge runs in Ray actors (GPU when
 the spec says cuda).
@@ -37,6 +38,7 @@ LABEL_SCHEMA = pa.schema(
         ("cluster_size", pa.int32()),
         ("n_valid", pa.int32()),
         ("n_invalid", pa.int32()),
+        ("n_truncated", pa.int32()),
         ("semantic_prob", pa.float32()),
         ("semantic_entropy", pa.float32()),
         ("in_largest", pa.bool_()),
@@ -72,10 +74,15 @@ def label_prefix(
         for i, (t, f) in enumerate(zip(group["text"], group["finish_reason"], strict=True))
         if is_valid(t, f, cfg.label_length_cut)
     ]
+    if not valid:
+        return []
+    found = judge.cluster([group["text"][i] for i in valid], premise if cfg.with_question else "")
+    # a step longer than the judge's window is not judged: invalid, like an empty one
+    fits = [(i, c) for i, c in zip(valid, found.ids, strict=True) if c is not None]
+    valid, ids = [i for i, _ in fits], [c for _, c in fits]
     n_invalid = len(group["text"]) - len(valid)
     if not valid:
         return []
-    ids = judge.cluster([group["text"][i] for i in valid], premise if cfg.with_question else "")
     if cfg.noise:
         ids = inject_noise(ids, cfg.noise, random.Random(f"{cfg.seed}:{group['prefix_id']}"))
     sizes = Counter(ids)
@@ -91,6 +98,7 @@ def label_prefix(
             "cluster_size": sizes[c],
             "n_valid": len(valid),
             "n_invalid": n_invalid,
+            "n_truncated": found.truncated,
             "semantic_prob": sizes[c] / len(valid),
             "semantic_entropy": ent,
             "in_largest": sizes[c] == largest,

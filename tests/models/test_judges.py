@@ -64,7 +64,7 @@ def test_nli_reads_labels_from_id2label(order):
     table = {k: next(n for n in order if n.lower() == v.lower()) for k, v in table.items()}
     judge = NLIJudge(StubNLI(id2label, table, tok), tok, mode="strict")
     assert judge.equivalent_pairs([("a", "b"), ("a", "c"), ("b", "c")]) == [True, False, False]
-    assert judge.cluster(["a", "b", "c"]) == [0, 0, 1]
+    assert judge.cluster(["a", "b", "c"]).ids == [0, 0, 1]
 
 
 def test_nli_lenient_mode():
@@ -111,7 +111,7 @@ def test_tiny_deberta_judge_is_symmetric_and_batched():
         ab = judge.equivalent_pairs(pairs)
         ba = judge.equivalent_pairs([(b, a) for a, b in pairs])
         assert ab == ba, "bidirectional judgement must not depend on the order of the pair"
-        ids = judge.cluster(texts, premise="Q: 3+4?\n")
+        ids = judge.cluster(texts, premise="Q: 3+4?\n").ids
         assert len(ids) == len(texts) and ids[0] == 0
 
 
@@ -124,10 +124,10 @@ def test_embedding_judge_threshold_and_exact_match():
         "the  total is 1000": [-0.5, 1.0],
     }
     judge = EmbeddingJudge(lambda ts: torch.tensor([vecs[t] for t in ts]), threshold=0.95)
-    assert judge.cluster(["a", "a'", "b"]) == [0, 0, 1]
-    assert EmbeddingJudge(judge.encode, threshold=0.999).cluster(["a", "a'", "b"]) == [0, 1, 2]
+    assert judge.cluster(["a", "a'", "b"]).ids == [0, 0, 1]
+    assert EmbeddingJudge(judge.encode, threshold=0.999).cluster(["a", "a'", "b"]).ids == [0, 1, 2]
     # different embeddings, same text after normalising case, spaces and numbers
-    assert judge.cluster(["The total is 1,000.0", "the  total is 1000"]) == [0, 0]
+    assert judge.cluster(["The total is 1,000.0", "the  total is 1000"]).ids == [0, 0]
     with pytest.raises(ValueError, match="threshold"):
         EmbeddingJudge(judge.encode, threshold=0)
 
@@ -149,3 +149,63 @@ def test_semantic_entropy_and_normalisation():
     assert semantic_entropy([0, 1]) == pytest.approx(math.log(2))
     assert math.isnan(semantic_entropy([]))
     assert normalize_step("  So  X = 3.50\n") == "so x = 3.5"
+
+
+def _tiny_deberta(tok, positions: int = 128):
+    cfg = DebertaV2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=positions,
+        num_labels=3,
+        pad_token_id=0,
+        id2label={0: "NEUTRAL", 1: "CONTRADICTION", 2: "ENTAILMENT"},
+        label2id={"NEUTRAL": 0, "CONTRADICTION": 1, "ENTAILMENT": 2},
+    )
+    torch.manual_seed(0)
+    return DebertaV2ForSequenceClassification(cfg).eval()
+
+
+def test_a_long_context_never_cuts_the_steps_away():
+    """A 2,000-token question+prefix: both steps still reach the classifier whole, as two different
+    inputs (before, truncation cut the steps off both sides and every pair looked the same)."""
+    tok = _tok()
+    model = _tiny_deberta(tok)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda m, args, kw: seen.extend(kw["input_ids"].tolist()), with_kwargs=True
+    )
+    judge = NLIJudge(model, tok, batch_size=8)
+    context = "Question: " + "the long story goes on. " * 84  # ~2,000 characters = tokens here
+    steps = ["Step: x = 3 + 4 = 7.", "Step: the answer is 12!"]
+    found = judge.cluster(steps, premise=context)
+    assert found.truncated == 2 and all(c is not None for c in found.ids)
+    texts = {tok.decode(ids, skip_special_tokens=True) for ids in seen}
+    assert len(texts) == 2, "the two directions of one pair: two different inputs"
+    for text in texts:
+        assert steps[0] in text and steps[1] in text
+        assert "the long story goes on" in text  # the context's end is kept
+    assert max(len([i for i in ids if i != 0]) for ids in seen) <= 128
+
+
+def test_a_step_longer_than_the_window_is_not_judged():
+    tok = _tok()
+    judge = NLIJudge(_tiny_deberta(tok, positions=64), tok)
+    found = judge.cluster(["short step", "x" * 200, "another step"], premise="Q: ")
+    assert found.ids[1] is None and found.ids[0] == 0 and found.ids[2] is not None
+
+
+def test_embedding_judge_fits_its_window_the_same_way():
+    tok = _tok()
+    encoded = []
+
+    def encode(texts):
+        encoded.extend(texts)
+        return torch.stack([torch.tensor([float(len(t)), 1.0]) for t in texts])
+
+    judge = EmbeddingJudge(encode, threshold=0.5, tokenizer=tok, window=40)
+    found = judge.cluster(["a = 1", "b = 22", "y" * 60], premise="long context " * 20)
+    assert found.ids[2] is None and found.truncated == 2
+    assert all(len(t) <= 40 and t.endswith(("a = 1", "b = 22")) for t in encoded)
