@@ -289,7 +289,8 @@ class BatchDecoder:
         for i in indices:
             callback = None if on_step is None else functools.partial(on_step, i)
             res = DecodeResult(self.method, "", None, on_step=callback)
-            rows.append(_Row(i, res, t0, s.seed, random.Random(s.seed)))
+            # acceptance draws: seeded per (seed, problem), so problems do not share one sequence of draws
+            rows.append(_Row(i, res, t0, s.seed, random.Random(f"{s.seed}:{questions[i]}")))
         for role in self.roles:
             lm = self.lm(role)
             with _Clock(_timings(rows), role):
@@ -370,7 +371,15 @@ class _DraftTarget(BatchDecoder):
         for i in range(gamma):
             if not proposing:
                 break
-            budgets = [_step_budget(s, self.draft, r.res.output_tokens) for r in proposing]
+            # what the round's earlier proposals use counts against the output budget too
+            used = {
+                r.index: r.res.output_tokens + sum(x.num_tokens for x in proposals[r.index])
+                for r in proposing
+            }
+            proposing = [r for r in proposing if used[r.index] < s.max_new_tokens]
+            if not proposing:
+                break
+            budgets = [_step_budget(s, self.draft, used[r.index]) for r in proposing]
             starts = [
                 StepStart(r.states["draft"], b, r.seed + i) for r, b in zip(proposing, budgets, strict=True)
             ]
@@ -605,7 +614,7 @@ class SpecReasonDecoder(_DraftTarget):
                 row.states["target"] = new_t
                 self._accept(row, step, k, score=score)
                 continue
-            budget = _step_budget(s, self.draft, row.res.output_tokens)
+            budget = _step_budget(s, self.target, row.res.output_tokens)
             start = StepStart(t_restores[b](), budget, row.seed)
             rewrites.append(_Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
             row.seed += 1

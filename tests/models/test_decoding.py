@@ -185,3 +185,29 @@ def test_salvage_is_off_when_sampling(pair):
     settings = DecodeSettings(max_new_tokens=24, step_tokens=8, temperature=0.8, salvage=True)
     res = SemanticSpecDecoder(_near_copy(0.0), target, lambda h: 1.0, lambda h: 0.0, settings).decode(Q)
     assert all(s.salvaged == 0 for s in res.steps)
+
+
+def test_gamma_proposals_stay_within_the_output_budget():
+    lm = tiny_lm(seed=0, boost=1.0, max_step_tokens=8)
+    settings = DecodeSettings(max_new_tokens=20, step_tokens=8, gamma=3)
+    for q in ("What is 2 + 3?", "Add 17 and 25.", "x"):
+        res = SemanticSpecDecoder(lm, lm, lambda h: 0.1, lambda h: 1.0, settings).decode(q)
+        assert res.output_tokens <= 20, "the round's later proposals must count what the earlier ones used"
+
+
+def test_specreason_rewrites_with_the_target_step_budget(monkeypatch):
+    draft = tiny_lm(merged=True, seed=0, max_step_tokens=8)
+    target = tiny_lm(seed=1, max_step_tokens=3)
+    dec = SpecReasonDecoder(draft, target, DecodeSettings(max_new_tokens=24))
+    real = dec.rate
+    monkeypatch.setattr(dec, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)])
+    res = dec.decode(Q)
+    assert res.steps and all(s.author == "target" and s.target_tokens <= 3 for s in res.steps)
+
+
+def test_acceptance_draws_differ_between_problems(pair):
+    draft, target = pair
+    dec = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.5, SETTINGS)
+    first = [dec.decode(q).steps[0].u for q in ("What is 2 + 3?", "Add 17 and 25.")]
+    assert first[0] != first[1]
+    assert dec.decode("What is 2 + 3?").steps[0].u == first[0], "and stay the same for one problem"
