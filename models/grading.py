@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 GRADED_BENCHMARKS = ("math500", "aime24", "amc23", "gpqa", "arith", "s1k")
 NUMERIC_RTOL = 1e-4
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
-_ANSWER_IS_RE = re.compile(r"answer\s+is\s*[:=]?\s*", re.IGNORECASE)
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is\s*[:=]?|[:=])\s*", re.IGNORECASE)
+_WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 _LETTER_RE = re.compile(r"^\(?\s*(?:\\text\{\s*)?\(?([A-Da-d])\)?\s*\}?\)?[.:]?$")
 
 
@@ -44,15 +45,25 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def one_expression(text: str) -> bool:
+    """Whether ``text`` is one answer, not prose: no word of two or more letters outside LaTeX commands
+    and ``\\text{}`` (so "6 and 7", "about 6" and "my answer here, 6" are not answers; "x = 6",
+    "\\frac{1}{2}", "(1, 2)" and "5\\text{ cm}" are)."""
+    t = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{[^}]*\}", "", text)
+    t = re.sub(r"\\[a-zA-Z]+", "", t)
+    return not _WORD_RE.search(t)
+
+
 def _answer_is(text: str) -> str | None:
-    """The text after the last 'answer is', up to the end of its sentence or line."""
+    """The text after the last 'answer is' / 'answer:', up to the end of its sentence or line, when it
+    is one expression (a completion that names two candidates has committed to neither)."""
     matches = list(_ANSWER_IS_RE.finditer(text))
     if not matches:
         return None
     rest = text[matches[-1].end() :].split("\n", 1)[0]
     rest = re.split(r"\.(?:\s|$)", rest, maxsplit=1)[0]
     rest = rest.strip().strip("$").strip()
-    return rest or None
+    return rest if rest and one_expression(rest) else None
 
 
 def extract_answer(text: str, benchmark: str = "math") -> str | None:
@@ -127,8 +138,9 @@ def grade(benchmark: str, gold: str, completion: str) -> tuple[str | None, bool]
     if benchmark not in GRADED_BENCHMARKS:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {GRADED_BENCHMARKS}")
     pred = extract_answer(completion, benchmark)
-    if pred is None and "\n" not in completion.strip() and len(completion.strip()) <= 64:
-        pred = completion.strip()  # a bare answer such as "3/4" or "B"
+    bare = completion.strip()
+    if pred is None and "\n" not in bare and len(bare) <= 64 and one_expression(bare):
+        pred = bare  # a bare answer such as "3/4" or "B"
         if benchmark == "gpqa":
             pred = extract_answer(f"\\boxed{{{pred}}}", "gpqa")
     return pred, is_equiv(gold, pred, benchmark)
