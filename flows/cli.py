@@ -370,8 +370,13 @@ def decode(
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
     pair_config = _or_exit(load_pair, pair or _default_pair())
+    from semspec.tasks.config import load_params
+
+    top_p = _or_exit(load_params).evaluate.top_p  # the nucleus cut the evaluation samples with
     settings = _or_exit(
-        lambda: DecodeSettings(max_new_tokens=max_new_tokens, temperature=temperature, gamma=gamma, seed=seed)
+        lambda: DecodeSettings(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma, seed=seed
+        )
     )
     needed = [method] if method in ROLES else ROLES
     lms = {r: load_lm(pair_config.role(r)) for r in needed}
@@ -442,7 +447,12 @@ def bench(
         raise typer.BadParameter(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
-    settings = DecodeSettings(max_new_tokens=max_new_tokens, salvage=salvage)
+    from semspec.tasks.config import load_params
+
+    ev = _or_exit(load_params).evaluate  # decode as the evaluation does (temperature, top_p)
+    settings = DecodeSettings(
+        max_new_tokens=max_new_tokens, salvage=salvage, temperature=ev.temperature, top_p=ev.top_p
+    )
     if batch:
         summary = _or_exit(
             run_batch_bench, pair_config, lms, n, settings, tuple(batch), tuple(probe or ["all"])

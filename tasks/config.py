@@ -169,6 +169,7 @@ class EvaluateConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     max_new_tokens: int = 96
     temperature: float = 0.0
+    top_p: float = 0.95  # nucleus cut when sampling (temperature > 0), as the probes' samples were drawn
     gamma: int = 1
     min_ratio: float | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
@@ -193,6 +194,8 @@ class EvaluateConfig:
         _positive(
             "evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma, batch_size=self.batch_size
         )
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("evaluate: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")
         if self.levels is not None and (

@@ -81,6 +81,7 @@ def _decoders(
     settings = DecodeSettings(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
+        top_p=cfg.top_p,
         gamma=cfg.gamma,
         min_ratio=cfg.min_ratio,
         seed=seed,

@@ -202,3 +202,14 @@ def test_evaluate_spreads_problems_over_two_ray_actors(tmp_path, monkeypatch):
     monkeypatch.setattr(SingleModelDecoder, "decode_batch", lambda self, qs, *a, **k: calls.append(qs) or [])
     again = run_evaluate(EvaluateConfig(**common, actors=0), pair, tmp_path / "2", log_mlflow=False)
     assert calls == [] and again["arith"]["target"]["n"] == 6
+
+
+def test_evaluate_decodes_with_the_configured_top_p():
+    from semspec.tasks.evaluate import _decoders
+
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "draft"], temperature=0.7, top_p=0.8)
+    decoders, _ = _decoders(cfg, _pair(), lms, "arith", 0)
+    assert {(d.settings.temperature, d.settings.top_p) for d in decoders.values()} == {(0.7, 0.8)}
+    with pytest.raises(ValueError, match="top_p"):
+        EvaluateConfig(top_p=0.0)
