@@ -31,7 +31,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from semspec.models.lm import pick_device
 from semspec.models.pair import JudgeSpec
-from semspec.models.weights import resolve_path
+from semspec.models.weights import resolve_path, verify_sha256
 
 
 def normalize_step(text: str) -> str:
@@ -303,6 +303,8 @@ def calibrate(
 def load_judge(spec: JudgeSpec) -> Judge:
     """Build the judge a pair's config names (Hub id, local folder, or a package that ships it)."""
     where = resolve_path(spec.source, spec.path)
+    if spec.sha256:  # never load weights that are not the pinned ones
+        verify_sha256(Path(where) / spec.weights_file, spec.sha256, spec.model_id)
     device = pick_device(spec.device)
     if spec.kind == "embedding":
         from sentence_transformers import SentenceTransformer  # heavy; NLI judges never need it

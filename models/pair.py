@@ -130,6 +130,8 @@ class JudgeSpec:
     nli_mode: str = "strict"  # nli: strict (both entail) | lenient (no contradiction, not both neutral)
     batch_size: int = 32
     trust_remote_code: bool = False
+    sha256: str | None = None  # of weights_file: checked before the judge loads (packaged weights)
+    weights_file: str = "model.safetensors"
     where: str = field(default="judge", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +150,8 @@ class JudgeSpec:
             raise _fail(w, "threshold", f"must be in (0, 1], got {self.threshold!r}")
         if self.nli_mode not in ("strict", "lenient"):
             raise _fail(w, "nli_mode", f"must be 'strict' or 'lenient', got {self.nli_mode!r}")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", str(self.sha256)):
+            raise _fail(w, "sha256", f"must be 64 hex digits, got {self.sha256!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise _fail(w, "batch_size", f"must be a positive integer, got {self.batch_size!r}")
 

@@ -209,3 +209,17 @@ def test_embedding_judge_fits_its_window_the_same_way():
     found = judge.cluster(["a = 1", "b = 22", "y" * 60], premise="long context " * 20)
     assert found.ids[2] is None and found.truncated == 2
     assert all(len(t) <= 40 and t.endswith(("a = 1", "b = 22")) for t in encoded)
+
+
+def test_judge_weights_are_checked_against_the_pinned_sha256_before_loading(tmp_path):
+    from semspec.models.judges import load_judge
+    from semspec.models.pair import JudgeSpec
+
+    (tmp_path / "model.safetensors").write_bytes(b"not the weights the pair file pins")
+    spec = JudgeSpec(
+        kind="embedding", model_id="minilm", source="local", path=str(tmp_path), sha256="ab" * 32
+    )
+    with pytest.raises(ValueError, match=r"minilm: sha256 of .*model\.safetensors"):
+        load_judge(spec)
+    with pytest.raises(ValueError, match="sha256"):
+        JudgeSpec(kind="embedding", source="local", path=str(tmp_path), sha256="not-hex")
