@@ -77,6 +77,9 @@ def project_env(root: Path | None = None, s: Settings | None = None) -> dict[str
         "PREFECT_HOME": str(r / ".prefect"),
         "PREFECT_API_URL": f"http://{HOST}:{s.prefect_port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # a web page in the user's browser must not drive the API: only the UI's own origin, CSRF tokens on
+        "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{s.prefect_port}",
+        "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
         "DO_NOT_TRACK": "true",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_TRACKING_URI": f"sqlite:///{r / 'mlruns.db'}",

@@ -39,9 +39,11 @@ class Project:
         return res
 
     def artifact(self, key: str) -> str:
+        token = httpx.get(f"{self.api}/csrf-token", params={"client": "tests"}).json()["token"]
         r = httpx.post(
             f"{self.api}/artifacts/filter",
             json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC"},
+            headers={"Prefect-Csrf-Token": token, "Prefect-Csrf-Client": "tests"},
         )
         r.raise_for_status()
         return r.json()[0]["data"]
@@ -87,6 +89,34 @@ def test_services_up_is_idempotent_and_both_deployments_exist(project):
     assert retrain["schedules"][0]["schedule"]["cron"] == "0 3 * * 1" and retrain["parameters"] == {
         "retrain": True
     }
+
+
+def test_every_service_listens_on_loopback_only(project):
+    listening = []
+    for pid in project.pids():
+        proc = psutil.Process(pid)
+        for p in [proc, *proc.children(recursive=True)]:
+            listening += [c.laddr for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening, "the services listen somewhere"
+    assert {addr.ip for addr in listening} <= {"127.0.0.1", "::1"}, listening
+
+
+def test_a_foreign_web_page_cannot_drive_either_api(project):
+    foreign = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    # Prefect: a preflight from another origin is refused, the UI's own origin allowed; a POST without a
+    # CSRF token (a form a web page could send without preflight) is refused
+    url = f"{project.api}/deployments/filter"
+    r = httpx.options(url, headers=foreign)
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    own = project.api.removesuffix("/api")
+    r = httpx.options(url, headers={**foreign, "Origin": own})
+    assert r.headers.get("access-control-allow-origin") == own
+    assert httpx.post(url, json={}).status_code == 403
+    # MLflow: a foreign Host header (DNS rebinding) and a foreign preflight are refused
+    api = f"{project.mlflow}/api/2.0/mlflow/experiments/search"
+    assert httpx.get(api, params={"max_results": 1}, headers={"Host": "evil.example"}).status_code >= 400
+    r = httpx.options(api, headers=foreign)
+    assert r.headers.get("access-control-allow-origin") in (None, "")
 
 
 def test_full_deployment_runs_the_pipeline_and_records_it_in_dvc(project):
