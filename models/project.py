@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import yaml
 
 from semspec.models.pair import PairConfig
 from semspec.models.settings import settings
+
+log = logging.getLogger(__name__)
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def project_root() -> Path:
@@ -31,6 +36,11 @@ def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairCo
     """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path."""
     p = Path(name_or_path)
     if p.suffix not in (".yaml", ".yml"):
+        if not _NAME_RE.fullmatch(str(name_or_path)):
+            raise ValueError(
+                f"pair name {str(name_or_path)!r} must be a file name in conf/pairs (letters, digits, '_', "
+                f"'.', '-'; no path), or a path to a .yaml file"
+            )
         p = (directory or pairs_dir()) / f"{name_or_path}.yaml"
     if not p.is_file():
         raise ValueError(
@@ -40,4 +50,12 @@ def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairCo
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from e
-    return PairConfig.from_dict(data, where=str(p))
+    pair = PairConfig.from_dict(data, where=str(p))
+    remote = [pair.draft, pair.target, pair.judge]
+    for spec in (x for x in remote if x is not None and x.trust_remote_code):
+        log.warning(
+            "pair %s: %s sets trust_remote_code: loading it runs Python code that ships with the model",
+            pair.name,
+            spec.model_id,
+        )
+    return pair

@@ -84,3 +84,31 @@ def test_load_pair_errors(tmp_path):
     cfg = load_pair(pairs_dir() / "embedded.yaml")
     with pytest.raises(ValueError, match="role must be"):
         cfg.role("judge")
+
+
+def test_trust_remote_code_is_warned_about_naming_the_pair_and_model(tmp_path, caplog):
+    import logging
+
+    import yaml
+
+    from semspec.models.project import load_pair
+
+    spec = {"source": "local", "path": str(tmp_path), "prompt": "plain"}
+    pair = {
+        "name": "remote",
+        "draft": {"model_id": "org/safe", **spec},
+        "target": {"model_id": "org/custom-code", "trust_remote_code": True, **spec},
+    }
+    (tmp_path / "remote.yaml").write_text(yaml.safe_dump(pair))
+    with caplog.at_level(logging.WARNING, logger="semspec.models.project"):
+        load_pair("remote", directory=tmp_path)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "pair remote: org/custom-code sets trust_remote_code" in warned[0]
+
+
+@pytest.mark.parametrize("name", ["../secrets", "a/b", ".hidden", "x y"])
+def test_pair_names_cannot_escape_conf_pairs(name, tmp_path):
+    from semspec.models.project import load_pair
+
+    with pytest.raises(ValueError, match="must be a file name in conf/pairs"):
+        load_pair(name, directory=tmp_path)
