@@ -290,6 +290,7 @@ run_sample(p.sample, load_pair(tmp / "tiny.yaml"), tmp / "prefixes.parquet", tmp
 """
 
 
+@pytest.mark.reliability
 def test_sample_resumes_after_a_kill(tmp_path):
     pair = write_tiny_pair(tmp_path, draft_hidden=128, target_hidden=128, layers=4)
     p = load_params(profile="tiny", overrides=["ingest.max_questions=8"])

@@ -1,0 +1,69 @@
+"""Faults: a stage killed mid-run loses only the work in flight (SIGKILL, then rerun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from semspec.models.decoding import SingleModelDecoder
+from semspec.tasks.config import EvaluateConfig
+from semspec.tasks.evaluate import run_evaluate
+from tests.helpers.pipeline import write_tiny_pair
+from tests.helpers.project import ROOT
+
+pytestmark = pytest.mark.reliability
+
+EVALUATE_SCRIPT = """
+import sys
+from pathlib import Path
+from semspec.models.project import load_pair
+from semspec.tasks.config import EvaluateConfig
+from semspec.tasks.evaluate import run_evaluate
+tmp = Path(sys.argv[1])
+cfg = EvaluateConfig(benchmarks={"arith": 12}, methods=["target"], max_new_tokens=48, batch_size=2)
+run_evaluate(cfg, load_pair(tmp / "tiny.yaml"), tmp / "eval", log_mlflow=False)
+"""
+
+
+def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_path, monkeypatch):
+    pair = write_tiny_pair(tmp_path, max_step_tokens=4, draft_hidden=128, target_hidden=128, layers=4)
+    rows = tmp_path / "eval" / "arith" / "target.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EVALUATE_SCRIPT, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and (not rows.exists() or len(rows.read_text().splitlines()) < 4)
+    ):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = [line for line in rows.read_text().splitlines() if line.endswith("}")]
+    assert 4 <= len(before) < 12, f"the kill should land mid-stage, found {len(before)} rows"
+    decoded = []
+    real = SingleModelDecoder.decode_batch
+
+    def counted(self, questions, *args, **kw):
+        decoded.extend(questions)
+        return real(self, questions, *args, **kw)
+
+    monkeypatch.setattr(SingleModelDecoder, "decode_batch", counted)
+    cfg = EvaluateConfig(benchmarks={"arith": 12}, methods=["target"], max_new_tokens=48, batch_size=2)
+    out = run_evaluate(cfg, pair, tmp_path / "eval", log_mlflow=False)
+    after = rows.read_text().splitlines()
+    assert after[: len(before)] == before, "finished rows are kept as they were"
+    assert len(decoded) == 12 - len(before), "only the problems without a row are decoded again"
+    ids = [json.loads(line)["question_id"] for line in after]
+    assert len(ids) == 12 == len(set(ids)) and out["arith"]["target"]["n"] == 12
