@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from semspec.models.grading import extract_answer, grade, is_equiv, last_boxed
 
@@ -164,3 +166,22 @@ def test_every_math500_reference_solution_grades_correct(data_dir):
 )
 def test_only_one_committed_expression_is_an_answer(completion, correct):
     assert grade("math500", "6", completion)[1] is correct
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.sampled_from(["math", "gpqa"]))
+def test_no_string_breaks_extraction(text, bench):
+    extract_answer(text, bench)  # never raises
+    assert extract_answer("", bench) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_characters="{}\\"), min_size=1).filter(lambda t: t.strip()))
+def test_a_boxed_answer_comes_back_whole(content):
+    assert extract_answer(f"so we get \\boxed{{{content}}} at the end") == content.strip()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=200), st.text(max_size=40))
+def test_grading_never_raises(completion, gold):
+    grade("math500", gold or "1", completion)

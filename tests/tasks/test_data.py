@@ -9,6 +9,8 @@ import re
 import zipfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from semspec.tasks import data as D
 
@@ -184,3 +186,11 @@ def test_build_prefixes_contexts_and_limits():
     assert len(few) == 2 and few[0].step_index < few[1].step_index
     assert D.build_prefixes(prob, ["s"] * 200) == []
     assert D.build_prefixes(prob, []) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.sampled_from(["paragraph", "sentence"]))
+def test_step_splitting_never_raises_and_loses_nothing(text, strategy):
+    steps = D.split_steps(text, strategy)
+    assert all(s and s == s.strip() for s in steps)
+    assert "".join("".join(steps).split()) == "".join(text.split())
