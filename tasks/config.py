@@ -265,9 +265,15 @@ _SECTIONS = {
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """A profile over params.yaml: stage sections merge key by key, but a setting's value is replaced
+    whole, dicts included (a profile's ``benchmarks: {arith: 2}`` means only arith, not arith added to
+    the base's benchmarks)."""
     out = copy.deepcopy(base)
     for k, v in (over or {}).items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **copy.deepcopy(v)}  # a section: its settings replace the base's
+        else:
+            out[k] = copy.deepcopy(v)
     return out
 
 

@@ -68,3 +68,15 @@ def test_unknown_profile_and_missing_file(tmp_path):
         load_params(profile="huge")
     with pytest.raises(ValueError, match="not found"):
         load_params(tmp_path / "params.yaml")
+
+
+def test_a_profile_replaces_a_dict_setting_whole(tmp_path):
+    import yaml
+
+    from semspec.models.project import project_root
+
+    base = yaml.safe_load((project_root() / "params.yaml").read_text())
+    assert len(base["evaluate"]["benchmarks"]) > 1, "params.yaml evaluates more than one benchmark"
+    p = load_params(profile="tiny")
+    assert p.evaluate.benchmarks == {"arith": 2}, "tiny's benchmarks replace the base's, not add to them"
+    assert p.evaluate.max_new_tokens == 16 and p.evaluate.levels == base["evaluate"]["levels"]
