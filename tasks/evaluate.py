@@ -42,7 +42,7 @@ from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.io import config_hash, write_json_atomic
-from semspec.tasks.probe_registry import read_pointers, setup_experiment
+from semspec.tasks.probe_registry import check_tracking, read_pointers, setup_experiment
 from semspec.tasks.ray_utils import init_ray
 
 log = logging.getLogger(__name__)
@@ -617,6 +617,7 @@ def stage(
     """Stage evaluate (the CLI's and dvc.yaml's entry): every method on the benchmarks, SemanticSpec with
     the probe versions the train stage recorded in ``probes``; the summary is also copied to ``metrics``
     (the file DVC tracks). Returns the metrics."""
+    check_tracking()  # the probes come from the registry and the results go to MLflow
     pins = read_pointers(probes) if PROBE_METHOD in params.evaluate.methods else None
     res = run_evaluate(params.evaluate, pair, out, plots, data_dir=params.ingest.data_dir, pins=pins)
     metrics.parent.mkdir(parents=True, exist_ok=True)

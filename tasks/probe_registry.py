@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import mlflow
 from mlflow.exceptions import MlflowException
 from torch import nn
@@ -24,6 +25,21 @@ log = logging.getLogger(__name__)
 def artifact_root() -> Path:
     """Where run artifacts go (``SEMSPEC_MLFLOW_ARTIFACTS``, default ``<project>/mlartifacts``)."""
     return settings().mlflow_artifacts
+
+
+def check_tracking(timeout: float = 5.0) -> None:
+    """Fail within seconds, before any work, when the MLflow tracking server is not reachable (a local
+    ``sqlite:`` or file store needs no server)."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        httpx.get(uri.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(
+            f"MLflow tracking server {uri} is not reachable ({type(e).__name__}): start it "
+            f"(`semspec services up`) or point MLFLOW_TRACKING_URI at a running one"
+        ) from None
 
 
 def setup_experiment(pair: str) -> str:

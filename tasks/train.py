@@ -31,7 +31,13 @@ from semspec.models.project import project_root
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
-from semspec.tasks.probe_registry import POINTERS_FILE, ProbeRef, register_probe, setup_experiment
+from semspec.tasks.probe_registry import (
+    POINTERS_FILE,
+    ProbeRef,
+    check_tracking,
+    register_probe,
+    setup_experiment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -394,5 +400,7 @@ def stage(
 ) -> dict[str, Any]:
     """Stage train (the CLI's and dvc.yaml's entry): fit, evaluate, log and register every probe, tagged
     with the pipeline fingerprint; returns the test metrics ``{role: {variant: {...}}}``."""
+    if params.train.register:
+        check_tracking()
     fingerprint = pipeline_fingerprint(params, pair)
     return run_train(params.train, pair, samples, labels, out, metrics, plots, fingerprint=fingerprint)

@@ -67,3 +67,27 @@ def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_pat
     assert len(decoded) == 12 - len(before), "only the problems without a row are decoded again"
     ids = [json.loads(line)["question_id"] for line in after]
     assert len(ids) == 12 == len(set(ids)) and out["arith"]["target"]["n"] == 12
+
+
+@pytest.mark.parametrize("name", ["train", "evaluate"])
+def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, monkeypatch):
+    import importlib
+
+    from semspec.models.project import load_pair
+    from semspec.tasks.config import load_params
+    from tests.helpers.project import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    paths = {
+        "train": ("samples", "labels", "out", "metrics", "plots"),
+        "evaluate": ("probes", "out", "plots", "metrics"),
+    }[name]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reachable"):
+        importlib.import_module(f"semspec.tasks.{name}").stage(
+            params=load_params(profile="tiny"),
+            pair=load_pair("embedded"),
+            **{p: tmp_path / p for p in paths},
+        )
+    assert time.perf_counter() - t0 < 10
+    assert not any(tmp_path.iterdir()), "nothing written"
