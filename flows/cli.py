@@ -363,12 +363,17 @@ def decode(
 
     from semspec.models.decoding import DecodeSettings
     from semspec.models.lm import load_lm
-    from semspec.models.names import METHODS
+    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS
     from semspec.models.project import load_pair
     from semspec.tasks.decoders import build_decoder
 
+    # every argument is checked before any model loads (that takes a minute on a CPU)
+    if not question.strip():
+        raise typer.BadParameter("the question is empty", param_hint="QUESTION")
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
+    if method == PROBE_METHOD and probe not in PROBE_VARIANTS:
+        raise typer.BadParameter(f"expected one of {', '.join(PROBE_VARIANTS)}", param_hint="--probe")
     pair_config = _or_exit(load_pair, pair or _default_pair())
     from semspec.tasks.config import load_params
 
@@ -378,6 +383,11 @@ def decode(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma, seed=seed
         )
     )
+    if method == PROBE_METHOD:
+        from semspec.tasks.probe_registry import registered_version
+
+        for role in ROLES:
+            _or_exit(registered_version, pair_config.name, role, probe)
     needed = [method] if method in ROLES else ROLES
     lms = {r: load_lm(pair_config.role(r)) for r in needed}
     dec = _or_exit(build_decoder, method, pair_config, lms, settings, probe)

@@ -107,6 +107,25 @@ def register_probe(
     return ProbeRef(name, str(mv.version), source, sha)
 
 
+def registered_version(pair: str, role: str, variant: str, alias: str = CHAMPION, version: str | None = None):
+    """The registry entry of ``semspec-<pair>-<role>-<variant>`` (``@alias`` or ``version``), without
+    reading any weights; a clear ``ValueError`` saying how to train it when there is none."""
+    name = registered_name(pair, role, variant)
+    which = f" v{version}" if version else f"@{alias}"
+    client = mlflow.MlflowClient()
+    try:
+        return (
+            client.get_model_version(name, version)
+            if version
+            else client.get_model_version_by_alias(name, alias)
+        )
+    except MlflowException:
+        raise ValueError(
+            f"no registered probe {name}{which} in {mlflow.get_tracking_uri()}: train it with "
+            f"`semspec train --pair {pair}` (or `dvc repro train`)"
+        ) from None
+
+
 def load_probe(
     pair: str,
     role: str,
@@ -121,19 +140,7 @@ def load_probe(
     states of ``model_id`` with ``hidden_size``; its weights must match the sha256 tag. Every mismatch,
     a pickle-format (old) version and a tampered file are clear ``ValueError``s."""
     name = registered_name(pair, role, variant)
-    client = mlflow.MlflowClient()
-    which = f" v{version}" if version else f"@{alias}"
-    try:
-        mv = (
-            client.get_model_version(name, version)
-            if version
-            else client.get_model_version_by_alias(name, alias)
-        )
-    except MlflowException:
-        raise ValueError(
-            f"no registered probe {name}{which} in {mlflow.get_tracking_uri()}: train it with "
-            f"`semspec train --pair {pair}` (or `dvc repro train`)"
-        ) from None
+    mv = registered_version(pair, role, variant, alias, version)
     tags = mv.tags or {}
     if tags.get("model_id") != model_id:
         raise ValueError(

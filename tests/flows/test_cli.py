@@ -160,3 +160,24 @@ def test_decode_target_streams_steps_and_json(tmp_path):
 def test_decode_rejects_unknown_method():
     res = runner.invoke(app, ["decode", "--method", "beam", "hi"])
     assert res.exit_code != 0
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["   "], "the question is empty"),
+        (["--probe", "best", "hi"], "expected one of"),
+        (["--max-new-tokens", "0", "hi"], "max_new_tokens must be >= 1"),
+        (["--method", "semanticspec", "hi"], "no registered probe"),
+    ],
+)
+def test_decode_checks_every_argument_before_loading_a_model(args, says, tmp_path, monkeypatch):
+    import semspec.models.lm as lm
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/empty.db")
+    monkeypatch.setattr(
+        lm, "load_lm", lambda spec: pytest.fail("a model was loaded before the arguments were checked")
+    )
+    write_tiny_pair(tmp_path)
+    res = runner.invoke(app, ["decode", "--pair", str(tmp_path / "tiny.yaml"), *args])
+    assert res.exit_code == 2 and says in res.output
