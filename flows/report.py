@@ -61,11 +61,12 @@ def eval_table(res: dict) -> str:
                 "models: "
                 + ", ".join(f"{r} {m['model_id']} ({m['dtype']}, {m['device']})" for r, m in ms.items())
             )
-        elif bench.startswith("_"):
+        elif bench.startswith("_") and bench != "_overall":
             notes += [f"{bench.strip('_').replace('_', ' ')}: {b}: {why}" for b, why in ms.items()]
         else:
+            name = "all (by problem)" if bench == "_overall" else bench
             for m, v in ms.items():
-                lines.append(f"| {bench} | {m} | " + " | ".join(_cell(v.get(c)) for c in cols) + " |")
+                lines.append(f"| {name} | {m} | " + " | ".join(_cell(v.get(c)) for c in cols) + " |")
     return "\n".join(lines + [""] * bool(notes) + notes)
 
 

@@ -41,7 +41,7 @@ from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
-from semspec.tasks.io import config_hash, write_json_atomic
+from semspec.tasks.io import config_hash, git_commit, write_json_atomic
 from semspec.tasks.probe_registry import check_tracking, read_pointers, setup_experiment
 from semspec.tasks.ray_utils import init_ray
 
@@ -166,6 +166,23 @@ def summarize_rows(
     out["speedup_latency"] = _ratio(sum(r["latency_s"] for r in theirs), sum(r["latency_s"] for r in mine))
     out["speedup_per_token"] = _ratio(_per_token(theirs), _per_token(mine))
     return out
+
+
+def overall_metrics(
+    rows: dict[tuple[str, str], list[dict[str, Any]]], labels: list[str], benches: list[str]
+) -> dict[str, Any]:
+    """Every benchmark together, per method: each problem counts once (pass@1 weighted by problems), and
+    the speed-ups compare with the target on the same problems."""
+
+    def pooled(label: str) -> list[dict[str, Any]]:
+        return [
+            {**r, "question_id": f"{bench}/{r['question_id']}"}
+            for bench in benches
+            for r in rows.get((bench, label), [])
+        ]
+
+    base = pooled("target") if "target" in labels else None
+    return {label: summarize_rows(pooled(label), base) for label in labels if pooled(label)}
 
 
 def _per_token(rows: list[dict[str, Any]]) -> float | None:
@@ -300,6 +317,7 @@ def run_evaluate(
         bench: {label: summarize_rows(rows[bench, label], rows.get((bench, "target"))) for label in labels}
         for bench in problems
     }
+    metrics["_overall"] = overall_metrics(rows, labels, list(problems))
     if skipped:
         metrics["_skipped"] = skipped
     if not_run:
@@ -309,7 +327,7 @@ def run_evaluate(
     if plots_dir is not None:
         write_plots(metrics, rows, plots_dir)
     if log_mlflow:
-        log_to_mlflow(cfg, pair, metrics, plots_dir, labels)
+        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, pins)
     return metrics
 
 
@@ -571,13 +589,22 @@ def log_to_mlflow(
     metrics: dict[str, Any],
     plots_dir: Path | None,
     labels: list[str] | None = None,
+    pins: dict[str, str] | None = None,
 ) -> None:
-    """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``,
-    each model's dtype as a param."""
+    """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``
+    and over all benchmarks without a prefix, each model's dtype as a param; tags give the provenance (git
+    commit, config hash, model ids, probe versions)."""
     setup_experiment(pair.name)
+    models = metrics.get("_models", {})
     for label in labels or cfg.method_labels():
         method, _, variant = label.partition("-")
         tags = {"stage": "evaluate", "pair": pair.name, "method": method, "variant": variant or "none"}
+        tags |= {"git_commit": git_commit(), "config_hash": config_hash(asdict(cfg))}
+        tags |= {f"{r}_model_id": d["model_id"] for r, d in models.items()}
+        if variant:
+            tags |= {f"{r}_probe_version": (pins or {}).get(f"{r}-{variant}", "champion") for r in ROLES}
+        if method in ("target", "draft", "specsampling", "assisted"):
+            tags["absent_metrics"] = "step_acceptance: this method verifies no draft steps"
         with mlflow.start_run(run_name=f"eval-{label}", tags=tags):
             mlflow.log_params(
                 {
@@ -593,15 +620,18 @@ def log_to_mlflow(
                 }
             )
             for bench, ms in metrics.items():
-                if bench.startswith("_"):
+                if bench.startswith("_") and bench != "_overall":
+                    continue
+                if label not in ms:
                     continue
                 m = dict(ms[label])
                 for name in ("pass@1_ci95", "delta_vs_target_ci95"):
                     if m.get(name):
                         m[f"{name}_low"], m[f"{name}_high"] = m.pop(name)
+                prefix = "" if bench == "_overall" else f"{bench}_"
                 mlflow.log_metrics(
                     {
-                        f"{bench}_{k.replace('@', '_at_')}": float(v)
+                        f"{prefix}{k.replace('@', '_at_')}": float(v)
                         for k, v in m.items()
                         if isinstance(v, int | float)
                     }

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+
+from semspec.models.project import project_root
 
 
 def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
@@ -116,3 +119,13 @@ def data_hash(path: Path, lock: Path | None = None) -> str:
     for f in files:
         h.update(f"{f.relative_to(path.parent if path.is_file() else path)}:{file_md5(f)}".encode())
     return f"md5:{h.hexdigest()}"
+
+
+def git_commit() -> str:
+    """HEAD's commit, or 'unknown' outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=project_root()
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.models.project import project_root
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
-from semspec.tasks.io import column_matrix, data_hash, read_shards, write_json_atomic
+from semspec.tasks.io import column_matrix, data_hash, git_commit, read_shards, write_json_atomic
 from semspec.tasks.probe_registry import (
     POINTERS_FILE,
     ProbeRef,
@@ -254,16 +253,6 @@ def _fit_best_state(
 def predict(probe: nn.Module, x: np.ndarray) -> np.ndarray:
     """Probe outputs for rows ``x``."""
     return probe(torch.from_numpy(x).float()).numpy()
-
-
-def git_commit() -> str:
-    """HEAD's commit, or 'unknown' outside a git checkout."""
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=project_root()
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 @dataclass
