@@ -32,6 +32,7 @@ EVAL_COLUMNS = [
     "pass@1_ci95",
     "delta_vs_target_ci95",
     "latency_s",
+    "cost_s",
     "tps",
     "target_share",
     "step_acceptance",

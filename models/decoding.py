@@ -101,7 +101,8 @@ class Timings:
     verify: float = 0.0  # target prefill of draft steps
     target: float = 0.0  # target generation
     probe: float = 0.0  # probe forward passes
-    total: float = 0.0
+    total: float = 0.0  # latency: from the problem's start (joining its batch) to its last step
+    share: float = 0.0  # machine time: each batched call's time divided among its rows (batch 1: total)
 
 
 @dataclass
@@ -227,6 +228,12 @@ class _Row:
         return self.res.output_tokens >= s.max_new_tokens or self.res.finish_reason == "eos"
 
 
+def _share(rows: list[_Row], seconds: float) -> None:
+    """Divide the time of a batched call among the rows it served."""
+    for row in rows:
+        row.res.timings.share += seconds / len(rows)
+
+
 def _timings(rows: list[_Row]) -> list[Timings]:
     return [r.res.timings for r in rows]
 
@@ -263,7 +270,9 @@ class BatchDecoder:
     ) -> list[DecodeResult]:
         """Answer every question, ``batch_size`` at a time (continuous batching). ``on_step(i, step)`` sees
         each step of question ``i``; ``on_result(i, result)`` each result as its row finishes (rows finish
-        out of order). A result's latency runs from its row joining the batch to its last step."""
+        out of order). A result's latency (``timings.total``) runs from its row joining the batch to its
+        last step; its ``timings.share`` is its share of the machine time (each round's time divided among
+        the rows in it), the per-problem cost that compares fairly across batch sizes."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         queue, live = deque(range(len(questions))), []
@@ -271,8 +280,13 @@ class BatchDecoder:
         while queue or live:
             joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
             if joining:
-                live += self._join(joining, questions, on_step)
+                t0 = time.perf_counter()
+                rows = self._join(joining, questions, on_step)
+                _share(rows, time.perf_counter() - t0)
+                live += rows
+            t0 = time.perf_counter()
             self._advance(live)
+            _share(live, time.perf_counter() - t0)
             for row in [r for r in live if r.finished(self.settings)]:
                 results[row.index] = finish_result(self.method, row.res, row.t0, self.settings)
                 if on_result is not None:
@@ -634,6 +648,7 @@ def decode_all(
     results = []
     for i, question in enumerate(questions):
         results.append(decoder.decode(question))
+        results[-1].timings.share = results[-1].timings.total  # alone: its cost is its latency
         if on_result is not None:
             on_result(i, results[-1])
     return results

@@ -136,18 +136,22 @@ def summarize_rows(
 ) -> dict[str, Any]:
     """Metrics of one (benchmark, method) from its per-problem rows, against ``base_rows`` (the target's rows
     of the same run) where given. Speed-ups and the paired pass@1 difference use only the problems (question,
-    seed) both have: ``speedup_latency`` = the target's mean latency per problem / this method's (the
-    paper's speed-up), ``speedup_per_token`` = the target's time per output token / this method's (fair
-    when outputs differ in length)."""
+    seed) both have: ``speedup_latency`` = the target's mean time per problem / this method's (the paper's
+    speed-up), ``speedup_per_token`` = the target's time per output token / this method's (fair when
+    outputs differ in length). A problem's time is its ``cost_s``: its latency when decoded alone, its
+    share of the batch's time when batched, so batched and one-at-a-time methods compare fairly;
+    ``latency_s`` (join to last step) is reported beside it."""
+
     by_seed: dict[int, list[bool]] = {}
     for r in rows:
         by_seed.setdefault(r["seed"], []).append(r["correct"])
     tokens = sum(r["output_tokens"] for r in rows)
-    seconds = sum(r["latency_s"] for r in rows)
+    seconds = sum(_cost(r) for r in rows)
     acc = [r["acceptance_rate"] for r in rows if r["acceptance_rate"] is not None]
     out = {
         "pass@1": statistics.mean(statistics.mean(v) for v in by_seed.values()),
         "latency_s": statistics.mean(r["latency_s"] for r in rows),
+        "cost_s": statistics.mean(_cost(r) for r in rows),
         "tps": tokens / seconds if seconds else 0.0,
         "target_share": statistics.mean(r["target_share"] for r in rows),
         "step_acceptance": statistics.mean(acc) if acc else None,
@@ -163,7 +167,7 @@ def summarize_rows(
         return out
     mine, theirs = [m for m, _ in both], [t for _, t in both]
     out.update(bootstrap_pass([r["correct"] for r in mine], [r["correct"] for r in theirs]))
-    out["speedup_latency"] = _ratio(sum(r["latency_s"] for r in theirs), sum(r["latency_s"] for r in mine))
+    out["speedup_latency"] = _ratio(sum(_cost(r) for r in theirs), sum(_cost(r) for r in mine))
     out["speedup_per_token"] = _ratio(_per_token(theirs), _per_token(mine))
     return out
 
@@ -185,9 +189,14 @@ def overall_metrics(
     return {label: summarize_rows(pooled(label), base) for label in labels if pooled(label)}
 
 
+def _cost(r: dict[str, Any]) -> float:
+    """A problem's machine time (rows written before costs were recorded: their latency)."""
+    return r.get("cost_s", r["latency_s"])
+
+
 def _per_token(rows: list[dict[str, Any]]) -> float | None:
     tokens = sum(r["output_tokens"] for r in rows)
-    return sum(r["latency_s"] for r in rows) / tokens if tokens else None
+    return sum(_cost(r) for r in rows) / tokens if tokens else None
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -207,6 +216,7 @@ def problem_row(
         "correct": ok,
         "output_tokens": res.output_tokens,
         "latency_s": res.timings.total,
+        "cost_s": res.timings.share or res.timings.total,
         "tps": res.tokens_per_second,
         "target_share": res.target_share,
         "acceptance_rate": res.acceptance_rate,

@@ -205,3 +205,19 @@ def test_sampling_keeps_the_acceptance_rate_in_a_batch(pair):
     assert 0.1 < p < 0.9, "the probes must accept some steps and reject others"
     z = abs(a1 / n1 - a4 / n4) / math.sqrt(p * (1 - p) * (1 / n1 + 1 / n4))
     assert z < 3.5
+
+
+def test_each_problem_s_share_of_the_machine_adds_up_to_the_wall_time(pair):
+    import time
+
+    decoder = _decoders(*pair)["mixed"]
+    t0 = time.perf_counter()
+    results = decoder.decode_batch(QUESTIONS, batch_size=3)
+    wall = time.perf_counter() - t0
+    shares = [r.timings.share for r in results]
+    assert sum(shares) == pytest.approx(wall, rel=0.05)
+    assert all(0 < r.timings.share < r.timings.total for r in results), (
+        "in a batch a problem waits for others"
+    )
+    alone = decoder.decode(QUESTIONS[0])
+    assert alone.timings.share == pytest.approx(alone.timings.total, rel=0.05)

@@ -26,6 +26,16 @@ def _row(qid: str, latency: float, tokens: int, correct: bool, seed: int = 0) ->
     }
 
 
+def test_batched_rows_compare_by_their_share_of_the_machine():
+    """A batched target waits 40 s per problem but costs 10 s of machine time each; a one-at-a-time method
+    taking 20 s per problem is then 2x slower, not 2x faster."""
+    target = [{**_row(q, 40.0, 100, True), "cost_s": 10.0} for q in "ab"]
+    alone = [{**_row(q, 20.0, 100, True), "cost_s": 20.0} for q in "ab"]
+    m = summarize_rows(alone, target)
+    assert m["speedup_latency"] == pytest.approx(0.5) and m["speedup_per_token"] == pytest.approx(0.5)
+    assert summarize_rows(target)["latency_s"] == 40.0 and summarize_rows(target)["cost_s"] == 10.0
+
+
 def test_both_speedups_on_hand_made_rows():
     target = [_row("a", 10.0, 100, True), _row("b", 30.0, 100, False)]
     # faster per problem (2x by mean latency) but with shorter outputs: per token only 1.6x
