@@ -89,20 +89,7 @@ def test_nli_rejects_models_without_mnli_labels():
 
 def test_tiny_deberta_judge_is_symmetric_and_batched():
     tok = _tok()
-    cfg = DebertaV2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        num_labels=3,
-        pad_token_id=0,
-        id2label={0: "NEUTRAL", 1: "CONTRADICTION", 2: "ENTAILMENT"},
-        label2id={"NEUTRAL": 0, "CONTRADICTION": 1, "ENTAILMENT": 2},
-    )
-    torch.manual_seed(0)
-    model = DebertaV2ForSequenceClassification(cfg)
+    model = _tiny_deberta(tok, layers=2)
     texts = ["x = 3 + 4 = 7", "so we get 7", "the total is 12", "add them: 3+4", "7 apples"]
     judges = {m: NLIJudge(model, tok, mode=m, batch_size=3) for m in ("strict", "lenient")}
     pairs = [(a, b) for a in texts for b in texts if a != b]
@@ -151,11 +138,11 @@ def test_semantic_entropy_and_normalisation():
     assert normalize_step("  So  X = 3.50\n") == "so x = 3.5"
 
 
-def _tiny_deberta(tok, positions: int = 128):
+def _tiny_deberta(tok, positions: int = 128, layers: int = 1):
     cfg = DebertaV2Config(
         vocab_size=len(tok),
         hidden_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=positions,
