@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -176,26 +177,43 @@ def run_batch_bench(
     return out
 
 
-def format_batch_bench(summary: dict[str, Any]) -> str:
-    """The batch table: throughput and latency per (method, batch size), each beside ``target`` at the
-    same batch size; then each model's dtype and the notes."""
-    cols = ["batch", "tok/s", "latency s", "x target tok/s", "x target lat", "x own batch-min", "step acc"]
-    lines = [f"{'method':20s} " + " ".join(f"{c:>15s}" for c in cols)]
+def _table(
+    summary: dict[str, Any], cols: list[str], width: int, row: Callable[[str, dict, Callable], list[str]]
+) -> str:
+    """An aligned table: a header, a line per entry (``row(key, entry, num)`` gives its cells, ``num``
+    formats a number or a share), then the ``_``-prefixed entries as notes."""
+
+    def num(v: float | None, pct: bool = False) -> str:
+        if v is None:
+            return f"{'n/a':>{width}s}"
+        return f"{100 * v:{width - 1}.1f}%" if pct else f"{v:{width}.2f}"
+
+    lines = [f"{'method':20s} " + " ".join(f"{c:>{width}s}" for c in cols)]
     notes = []
     for key, s in summary.items():
         if key.startswith("_"):
             notes += [f"{key.strip('_')}: {k}: {v}" for k, v in s.items()]
-            continue
-
-        def f(v):
-            return f"{'n/a':>15s}" if v is None else f"{v:15.2f}"
-
-        lines.append(
-            f"{s['method']:20s} {s['batch']:15d} {f(s['throughput_tps'])} {f(s['latency_s'])} "
-            f"{f(s['x_target_throughput'])} {f(s['x_target_latency'])} {f(s['x_own_smallest_batch'])} "
-            f"{f(s['step_acceptance'])}"
-        )
+        else:
+            lines.append(" ".join(row(key, s, num)))
     return "\n".join(lines + notes)
+
+
+def format_batch_bench(summary: dict[str, Any]) -> str:
+    """The batch table: throughput and latency per (method, batch size), each beside ``target`` at the
+    same batch size; then each model's dtype and the notes."""
+    cols = ["batch", "tok/s", "latency s", "x target tok/s", "x target lat", "x own batch-min", "step acc"]
+    keys = ["throughput_tps", "latency_s", "x_target_throughput", "x_target_latency", "x_own_smallest_batch"]
+    return _table(
+        summary,
+        cols,
+        15,
+        lambda _, s, num: [
+            f"{s['method']:20s}",
+            f"{s['batch']:15d}",
+            *(num(s[k]) for k in keys),
+            num(s["step_acceptance"]),
+        ],
+    )
 
 
 def format_bench(summary: dict[str, dict[str, Any]]) -> str:
@@ -213,20 +231,17 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
         "target share",
         "prefill/out",
     ]
-    lines = [f"{'method':20s} " + " ".join(f"{c:>12s}" for c in cols)]
-    notes = []
-    for m, s in summary.items():
-        if m.startswith("_"):
-            notes += [f"{m.strip('_')}: {k}: {v}" for k, v in s.items()]
-            continue
-
-        def f(v, pct=False):
-            return f"{'n/a':>12s}" if v is None else (f"{100 * v:11.1f}%" if pct else f"{v:12.2f}")
-
-        lines.append(
-            f"{m:20s} {f(s['ms_per_token'])} {f(s['latency_s'])} {f(s['speedup_latency'])} "
-            f"{f(s['speedup_per_token'])} {f(s['share_draft'], True)} "
-            f"{f(s['share_verify'], True)} {f(s['share_target'], True)} {f(s['share_probe'], True)} "
-            f"{f(s['step_acceptance'])} {f(s['target_share'])} {f(s['prefill_per_output_token'])}"
-        )
-    return "\n".join(lines + notes)
+    speed = ["ms_per_token", "latency_s", "speedup_latency", "speedup_per_token"]
+    shares = ["share_draft", "share_verify", "share_target", "share_probe"]
+    rest = ["step_acceptance", "target_share", "prefill_per_output_token"]
+    return _table(
+        summary,
+        cols,
+        12,
+        lambda m, s, num: [
+            f"{m:20s}",
+            *(num(s[k]) for k in speed),
+            *(num(s[k], True) for k in shares),
+            *(num(s[k]) for k in rest),
+        ],
+    )
