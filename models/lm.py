@@ -183,6 +183,8 @@ class LM:
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
         self.load_seconds: float = 0.0
+        # an empty cache of this model's layer types, built once: its sliding windows bound padded batches
+        self._layout = DynamicCache(config=model.config)
 
     @property
     def model_id(self) -> str:
@@ -328,7 +330,7 @@ class LM:
                 return False
             if not fits_window(cache, length):
                 return False
-        return fits_window(DynamicCache(config=self.model.config), length)
+        return fits_window(self._layout, length)
 
     def _stack(self, caches: list[Cache | None], lens: list[int], width: int) -> Cache:
         """One cache holding every row left-padded to ``width`` positions: (B, H, width, Dh) per layer."""
@@ -459,7 +461,7 @@ class LM:
                     context,
                     0,
                     seed,
-                    LMState(context.text, context.ids, st.cache, *_outputs(context)),
+                    LMState(context.text, context.ids, st.cache, context.logits, context.hidden),
                     done=sample,
                 )
         # 2. continue after them: outputs at the position predicting token ``keep``
@@ -476,13 +478,6 @@ class LM:
             LMState(context.text, context.ids, st.cache, logits, hidden),
             ids,
         )
-
-    def continue_after(
-        self, context: LMState, score: StepScore, keep: int, max_tokens: int, seed: int | None = None
-    ) -> tuple[StepSample, LMState] | None:
-        """Write the step ``resume_after`` starts (None when it cannot)."""
-        start = self.resume_after(context, score, keep, max_tokens, seed)
-        return None if start is None else self.decode_steps([start])[0]
 
     # ----------------------------------------------------------------------------------- sampling
     @torch.inference_mode()
@@ -512,7 +507,7 @@ class LM:
             StepStart(
                 state,
                 max_tokens,
-                state=LMState(state.text, state.ids, copy.deepcopy(state.cache), *_outputs(state)),
+                state=LMState(state.text, state.ids, copy.deepcopy(state.cache), state.logits, state.hidden),
             )
             for _ in range(n)
         ]
@@ -706,11 +701,6 @@ def _generator(seed: int | None) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     return gen
-
-
-def _outputs(state: LMState) -> tuple[torch.Tensor, torch.Tensor]:
-    """A state's outputs at its last position: (logits (V,), hidden (L+1, D))."""
-    return state.logits, state.hidden
 
 
 def _sample(
