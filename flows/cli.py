@@ -301,6 +301,9 @@ STAGE_COMMANDS = {
 }
 
 
+OUTPUT_OPTIONS = {"out", "metrics", "plots"}  # the stage options that name what a stage writes
+
+
 def _stage_command(name: str, command: StageCommand) -> Callable[..., None]:
     """A Typer command for one stage: its path options, then --params/--profile/--set/--pair."""
 
@@ -308,18 +311,26 @@ def _stage_command(name: str, command: StageCommand) -> Callable[..., None]:
         from semspec.flows.stages import stage_option
         from semspec.models.project import load_pair
         from semspec.tasks.config import load_params
+        from semspec.tasks.io import check_writable
+        from semspec.tasks.ray_utils import exit_on_termination, shutdown_ray
 
         params = _or_exit(load_params, options["params"], options["profile"], options["set_"])
         params.pair = options["pair"] or params.pair
-        pair_config = _or_exit(load_pair, params.pair)
+        pair_config = _or_exit(load_pair, params.pair, None, params.split_strategy)
         paths = {
             opt: Path(options[opt])
             if options[opt]
             else _or_exit(stage_option, name, opt, params.pair, params.profile)
             for opt in command.paths
         }
+        for opt in OUTPUT_OPTIONS & set(paths):
+            _or_exit(check_writable, paths[opt], f"--{opt}")
         entry = importlib.import_module(command.module).stage
-        typer.echo(command.show(_or_exit(lambda: entry(params=params, pair=pair_config, **paths))))
+        exit_on_termination()
+        try:
+            typer.echo(command.show(_or_exit(lambda: entry(params=params, pair=pair_config, **paths))))
+        finally:
+            shutdown_ray()  # a stage leaves no Ray process behind, whether it ends, fails or is stopped
 
     kw = inspect.Parameter.KEYWORD_ONLY
     parameters = [
@@ -350,7 +361,11 @@ def decode(
         str, typer.Option(help="target, draft, semanticspec, specsampling, assisted or specreason.")
     ] = "semanticspec",
     probe: Annotated[
-        str, typer.Option(help="Probe variant from the registry: random, last, all or mix.")
+        str,
+        typer.Option(
+            help="Probe variant from the registry: random, last, all or mix; <variant>@<domain> for one "
+            "domain's probes (train.domains), e.g. all@math."
+        ),
     ] = "all",
     max_new_tokens: Annotated[int, typer.Option(help="Output token budget.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -363,7 +378,7 @@ def decode(
 
     from semspec.models.decoding import DecodeSettings
     from semspec.models.lm import load_lm
-    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS
+    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, split_probe_key
     from semspec.models.project import load_pair
     from semspec.tasks.decoders import build_decoder
 
@@ -372,12 +387,18 @@ def decode(
         raise typer.BadParameter("the question is empty", param_hint="QUESTION")
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {', '.join(METHODS)}", param_hint="--method")
-    if method == PROBE_METHOD and probe not in PROBE_VARIANTS:
-        raise typer.BadParameter(f"expected one of {', '.join(PROBE_VARIANTS)}", param_hint="--probe")
-    pair_config = _or_exit(load_pair, pair or _default_pair())
+    if method == PROBE_METHOD:
+        try:
+            split_probe_key(probe)
+        except ValueError as e:
+            raise typer.BadParameter(
+                f"{e} (or <variant>@<domain>: {', '.join(PROBE_VARIANTS)})", param_hint="--probe"
+            ) from None
     from semspec.tasks.config import load_params
 
-    top_p = _or_exit(load_params).evaluate.top_p  # the nucleus cut the evaluation samples with
+    params = _or_exit(load_params)
+    pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
+    top_p = params.evaluate.top_p  # the nucleus cut the evaluation samples with
     settings = _or_exit(
         lambda: DecodeSettings(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma, seed=seed
@@ -448,18 +469,17 @@ def bench(
     from semspec.models.names import PROBE_VARIANTS
     from semspec.models.project import load_pair
     from semspec.tasks.bench import format_batch_bench, format_bench, run_batch_bench, run_bench
-
-    pair_config = _or_exit(load_pair, pair or _default_pair())
-    lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
+    from semspec.tasks.config import load_params
 
     variants = tuple(probe or PROBE_VARIANTS)
     if bad := set(variants) - set(PROBE_VARIANTS):
         raise typer.BadParameter(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
-    from semspec.tasks.config import load_params
-
-    ev = _or_exit(load_params).evaluate  # decode as the evaluation does (temperature, top_p)
+    params = _or_exit(load_params)
+    ev = params.evaluate  # decode as the evaluation does (temperature, top_p)
+    pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
+    lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
     settings = DecodeSettings(
         max_new_tokens=max_new_tokens, salvage=salvage, temperature=ev.temperature, top_p=ev.top_p
     )
@@ -536,11 +556,15 @@ def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
 
 @pairs_app.command("status")
 def pairs_status(profile: ProfileOpt = None) -> None:
-    """Each configured pair: up to date, or why semspec/retrain would train it (or cannot)."""
+    """Each configured pair: up to date (champion probes current and evaluated), or why semspec/retrain
+    would train or evaluate it (or cannot)."""
+    from semspec.flows.stages import stage_option
     from semspec.tasks.config import load_params
     from semspec.tasks.retrain import pair_statuses
 
-    for name, why in _or_exit(pair_statuses, _or_exit(load_params, None, profile, None)).items():
+    params = _or_exit(load_params, None, profile, None)
+    metrics = lambda pair: stage_option("evaluate", "metrics", pair, params.profile)  # noqa: E731
+    for name, why in _or_exit(pair_statuses, params, metrics).items():
         typer.echo(f"{name}: {why or 'up to date'}")
 
 

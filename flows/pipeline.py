@@ -20,14 +20,14 @@ from prefect.flows import EntrypointType
 from prefect.schedules import Cron
 
 from semspec.flows.report import experiment_url, mlflow_runs, pair_report
-from semspec.flows.stages import StageRequest, run_stage
+from semspec.flows.stages import StageRequest, run_stage, stage_option
 from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import load_lm
 from semspec.models.names import PROBE_METHOD, ROLES, SMOKE_STAGE, STAGES
 from semspec.models.project import load_pair, project_root
 from semspec.tasks.config import load_params
 from semspec.tasks.decoders import build_decoder
-from semspec.tasks.retrain import pair_statuses
+from semspec.tasks.retrain import NOT_EVALUATED, pair_statuses
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,12 @@ def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force:
     retries=1,  # the registry is a database that can be busy
     retry_delay_seconds=10,
 )
-def decode_smoke(pair: str, variant: str, max_new_tokens: int = 48) -> dict[str, Any]:
+def decode_smoke(
+    pair: str, variant: str, split_strategy: str = "paragraph", max_new_tokens: int = 48
+) -> dict[str, Any]:
     """Load both models and the ``champion`` probes of ``variant`` from the registry, decode one question."""
     logger = get_run_logger()
-    pair_config = load_pair(pair)
+    pair_config = load_pair(pair, split_strategy=split_strategy)
     lms = {role: load_lm(pair_config.role(role)) for role in ROLES}
     dec = build_decoder(
         PROBE_METHOD, pair_config, lms, DecodeSettings(max_new_tokens=max_new_tokens), variant
@@ -85,13 +87,40 @@ def decode_smoke(pair: str, variant: str, max_new_tokens: int = 48) -> dict[str,
 
 
 @task(name="find-stale-pairs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def find_stale_pairs(profile: str | None, overrides: list[str]) -> dict[str, str]:
-    """Every configured pair that needs training, with the reason (see ``semspec.tasks.retrain.pair_statuses``)."""
+def find_stale_pairs(profile: str | None, overrides: list[str]) -> dict[str, str | None]:
+    """Every configured pair's status: None when up to date, else why it needs work or cannot be trained
+    (see ``semspec.tasks.retrain.pair_statuses``)."""
     logger = get_run_logger()
-    statuses = pair_statuses(load_params(None, profile, overrides))
+    params = load_params(None, profile, overrides)
+    statuses = pair_statuses(params, eval_metrics_path(params.profile))
     for name, why in statuses.items():
         logger.info("%s: %s", name, why or "up to date")
-    return {name: why for name, why in statuses.items() if why and not why.startswith(NOT_TRAINABLE)}
+    return statuses
+
+
+def eval_metrics_path(profile: str):
+    """``pair -> the evaluate stage's metrics file`` (dvc.yaml's path), where a finished evaluation is
+    recorded."""
+    return lambda pair: stage_option("evaluate", "metrics", pair, profile)
+
+
+def retrain_plan(
+    statuses: dict[str, str | None], stages: list[str]
+) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """(pair -> the stages to run, pair -> why it is skipped): a pair whose probes are current but whose
+    evaluation is not reruns only evaluate and the decode smoke; invalid or unavailable pairs are skipped
+    and reported, never trained."""
+    todo, skipped = {}, {}
+    for name, why in statuses.items():
+        if why is None:
+            continue
+        if why.startswith(NOT_TRAINABLE):
+            skipped[name] = why
+        elif why.startswith(NOT_EVALUATED):
+            todo[name] = [s for s in stages if s in ("evaluate", SMOKE_STAGE)]
+        else:
+            todo[name] = list(stages)
+    return todo, skipped
 
 
 @task(name="report", task_run_name="report[{pair}]", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
@@ -133,11 +162,12 @@ def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], f
             if stage in stages:
                 runs.append(stage_task(stage, pair, profile, overrides, force))
         if SMOKE_STAGE in stages:
-            variants = load_params(None, profile, overrides).train.variants
+            params = load_params(None, profile, overrides)
+            variants = params.train.variants
             variant = (
                 "all" if "all" in variants else next((v for v in variants if v != "random"), variants[0])
             )
-            smoke = decode_smoke(pair, variant)
+            smoke = decode_smoke(pair, variant, params.split_strategy)
     publish_report(pair, profile, runs, smoke)
     return {"stages": runs, "decode": smoke}
 
@@ -162,17 +192,22 @@ def semspec(
     unknown = [s for s in stages if s not in ALL_STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; expected some of {list(ALL_STAGES)}")
+    skipped: dict[str, str] = {}
     if retrain:
-        todo = find_stale_pairs(profile, overrides)
-        if not todo:
-            get_run_logger().info("retrain: every pair's champion probes are up to date")
+        todo, skipped = retrain_plan(find_stale_pairs(profile, overrides), stages)
+        get_run_logger().info(
+            "retrain: %s; skipped: %s",
+            ", ".join(f"{n} ({', '.join(st)})" for n, st in todo.items())
+            or "every trainable pair is up to date",
+            "; ".join(f"{n} ({why})" for n, why in skipped.items()) or "none",
+        )
     else:
-        todo = {pair or params.pair: "requested"}
-    results: dict[str, Any] = {}
+        todo = {pair or params.pair: stages}
+    results: dict[str, Any] = {"_skipped": skipped} if skipped else {}
     failed: dict[str, str] = {}
-    for name in todo:
+    for name, pair_stages in todo.items():
         try:
-            results[name] = run_pair(name, params.profile, stages, overrides, force=retrain)
+            results[name] = run_pair(name, params.profile, pair_stages, overrides, force=retrain)
         except Exception as e:
             if not retrain:
                 raise

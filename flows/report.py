@@ -62,6 +62,8 @@ def eval_table(res: dict) -> str:
                 "models: "
                 + ", ".join(f"{r} {m['model_id']} ({m['dtype']}, {m['device']})" for r, m in ms.items())
             )
+        elif bench == "_run":  # provenance of the finished evaluation, not a table row
+            continue
         elif bench.startswith("_") and bench != "_overall":
             notes += [f"{bench.strip('_').replace('_', ' ')}: {b}: {why}" for b, why in ms.items()]
         else:

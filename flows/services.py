@@ -25,6 +25,7 @@ import psutil
 from semspec.flows.env import HOST, effective_env, with_venv_path
 from semspec.models.project import project_root
 from semspec.models.settings import settings
+from semspec.tasks.io import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def start(svc: Service, root: Path | None = None, echo: Callable[[str], None] = 
             svc.argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     rec = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "argv": svc.argv}
-    (d / f"{svc.name}.json").write_text(json.dumps(rec))
+    write_json_atomic(rec, d / f"{svc.name}.json")  # a kill never leaves a half-written PID record
     echo(f"{svc.name}: started (pid {proc.pid}, log {logfile})")
     deadline = time.monotonic() + svc.ready_timeout
     while not (_ready(svc.ready_url) and _logged(logfile, offset, svc.ready_log)):

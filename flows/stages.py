@@ -13,10 +13,12 @@ runs those definitions and never restates a path:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import time
 from collections import deque
@@ -139,6 +141,48 @@ def stage_env() -> dict[str, str]:
     return env
 
 
+def stream_process(argv: list[str], cwd: Path, env: dict[str, str], on_line: Callable[[str], None]) -> int:
+    """Run ``argv`` in its own process group, streaming its non-empty output lines (a progress bar's
+    ``\\r`` redraws split) to ``on_line``; returns its exit code. When it ends, however it ends (a crash, a
+    SIGKILL), and when this process is interrupted, whatever it left in its group (Ray's GCS, raylet,
+    agents and actors) is stopped."""
+    with subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                for line in raw.rstrip("\n").split("\r"):
+                    if line.strip():
+                        on_line(line)
+            return proc.wait()
+        finally:
+            stop_group(proc.pid)
+
+
+def stop_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM the processes left in group ``pgid``, SIGKILL those still there after ``grace`` seconds;
+    nothing when the group is empty (a stage that ended cleanly)."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    log.warning("stopping the processes the stage left behind (process group %d)", pgid)
+    deadline = time.monotonic() + grace
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(pgid, 0)
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def run_stage(req: StageRequest, on_line: Callable[[str], None] = log.info) -> StageRun:
     """Run one stage (see the module doc), streaming its output lines to ``on_line``.
 
@@ -149,24 +193,15 @@ def run_stage(req: StageRequest, on_line: Callable[[str], None] = log.info) -> S
     on_line(f"$ {command}")
     tail: deque[str] = deque(maxlen=40)
     skipped = False
+
+    def line_out(line: str) -> None:
+        nonlocal skipped
+        tail.append(line)
+        on_line(line)
+        skipped |= f"Stage '{stage}' didn't change, skipping" in line
+
     t0 = time.perf_counter()
-    with subprocess.Popen(
-        argv,
-        cwd=root,
-        env=stage_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    ) as proc:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            for line in raw.rstrip("\n").split("\r"):  # a progress bar redraws with \r
-                if line.strip():
-                    tail.append(line)
-                    on_line(line)
-                    skipped |= f"Stage '{stage}' didn't change, skipping" in line
-        rc = proc.wait()
+    rc = stream_process(argv, root, stage_env(), line_out)
     if rc != 0:
         raise StageFailed(f"stage {stage} ({pair}) failed with exit code {rc}: {command}\n" + "\n".join(tail))
     return StageRun(stage, pair, mode, skipped and mode == "dvc", time.perf_counter() - t0, command)

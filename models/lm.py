@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -33,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from semspec.models.pair import ModelSpec
+from semspec.models.steps import step_end
 from semspec.models.weights import resolve_spec
 
 log = logging.getLogger(__name__)
@@ -659,13 +661,14 @@ class LM:
         """(text, reason) when ``toks`` ends the step, else None."""
         if toks[-1] in self.eos_ids:
             return self.tokenizer.decode(toks[:-1], skip_special_tokens=True), "eos"
-        # decoding only the tail keeps this O(1) per token; a delimiter earlier would have stopped us
-        tail = self.tokenizer.decode(toks[-4:], skip_special_tokens=True)
-        if self.spec.delimiter not in tail:
+        # decoding only the tail keeps this O(1) per token; an end earlier would have stopped us
+        split, delimiter = self.spec.split, self.spec.delimiter
+        tail = self.tokenizer.decode(toks[-8:], skip_special_tokens=True)
+        if step_end(tail, split, delimiter) is None:
             return None
         text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        cut = text.find(self.spec.delimiter)
-        return text[: cut + len(self.spec.delimiter)], "delimiter"
+        cut = step_end(text, split, delimiter)
+        return None if cut is None else (text[:cut], "delimiter")
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer) -> set[int]:
@@ -728,8 +731,19 @@ def load_lm(spec: ModelSpec) -> LM:
     if spec.gguf_file:
         kw["gguf_file"] = spec.gguf_file
     log.info("loading %s from %s", spec.model_id, where)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw)
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
+        if not spec.gguf_file:
+            raise
+        # a cut GGUF file surfaces as a reshape or read error deep in the converter: name the file
+        path = Path(where) / spec.gguf_file
+        raise ValueError(
+            f"{spec.model_id}: cannot read the GGUF file {path} ({type(e).__name__}: {e}); it is probably "
+            f"truncated or corrupt: pin its sha256 in the pair file to have it checked, or reinstall the "
+            f"package that provides it"
+        ) from e
     model.to(pick_device(spec.device))
     lm = LM(model, tokenizer, spec)
     lm.load_seconds = time.perf_counter() - t0

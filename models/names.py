@@ -2,9 +2,15 @@
 
 Method names, probe variants, pipeline stages, the ``semanticspec-<variant>`` label that evaluation and
 the bench print, and the MLflow names of a pair's experiment, its registered probes and their alias.
+
+A probe is named by its variant, and by a data domain when it was trained on one domain only (the paper's
+5.4 cross-domain study): the key ``<variant>@<domain>`` (e.g. ``all@math``), registered as
+``semspec-<pair>-<role>-<variant>-<domain>``. A probe trained on every domain has the plain variant key.
 """
 
 from __future__ import annotations
+
+import re
 
 METHODS = ("target", "draft", "semanticspec", "specsampling", "assisted", "specreason")
 PROBE_METHOD = "semanticspec"  # the method that reads the registered probes
@@ -13,16 +19,43 @@ ROLES = ("draft", "target")
 STAGES = ("ingest", "sample", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order
 SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the registered probes
 CHAMPION = "champion"  # registry alias of the probe version that decoding loads
+ALL_DOMAINS = "all"  # the probes trained on every domain's data (keys and names without a domain)
+_DOMAIN_RE = re.compile(r"[A-Za-z0-9_.]+")
+
+
+def check_domain(domain: str) -> str:
+    """``domain`` when it can name a probe (letters, digits, ``_`` and ``.``); ValueError otherwise."""
+    if not isinstance(domain, str) or not _DOMAIN_RE.fullmatch(domain):
+        raise ValueError(f"domain {domain!r} must be letters, digits, '_' or '.' (e.g. math, science)")
+    return domain
+
+
+def probe_key(variant: str, domain: str | None = None) -> str:
+    """``<variant>`` for a probe trained on every domain, ``<variant>@<domain>`` for one domain's."""
+    if variant not in PROBE_VARIANTS:
+        raise ValueError(f"unknown probe variant {variant!r}; expected one of {PROBE_VARIANTS}")
+    if domain is None or domain == ALL_DOMAINS:
+        return variant
+    return f"{variant}@{check_domain(domain)}"
+
+
+def split_probe_key(key: str) -> tuple[str, str | None]:
+    """``(variant, domain)`` of a ``probe_key`` (domain None for every domain); ValueError otherwise."""
+    variant, sep, domain = key.partition("@")
+    probe_key(variant, domain if sep else None)  # raises on anything probe_key would not make
+    return variant, domain if sep else None
 
 
 def method_label(method: str, variant: str | None = None) -> str:
-    """The label of one decoder: ``semanticspec-<variant>`` for SemanticSpec, else the method name."""
+    """The label of one decoder: ``semanticspec-<probe key>`` for SemanticSpec (``semanticspec-all``,
+    ``semanticspec-all@math``), else the method name."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if method != PROBE_METHOD:
         return method
-    if variant not in PROBE_VARIANTS:
-        raise ValueError(f"unknown probe variant {variant!r}; expected one of {PROBE_VARIANTS}")
+    if variant is None:
+        raise ValueError(f"{PROBE_METHOD} needs a probe variant; expected one of {PROBE_VARIANTS}")
+    split_probe_key(variant)
     return f"{method}-{variant}"
 
 
@@ -39,5 +72,7 @@ def experiment_name(pair: str) -> str:
 
 
 def registered_name(pair: str, role: str, variant: str) -> str:
-    """Registry name of a probe."""
-    return f"semspec-{pair}-{role}-{variant}"
+    """Registry name of a probe: ``semspec-<pair>-<role>-<variant>``, ``-<domain>`` appended for a probe
+    key ``<variant>@<domain>``."""
+    v, domain = split_probe_key(variant)
+    return f"semspec-{pair}-{role}-{v}" + (f"-{domain}" if domain else "")

@@ -59,6 +59,8 @@ class ModelSpec:
     max_step_tokens: int = 64  # budget for one reasoning step
     trust_remote_code: bool = False  # never on unless a spec says so explicitly
     where: str = field(default="model", repr=False, compare=False)
+    # what a step is (models/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
+    split: str = field(default="paragraph", init=False)
 
     def __post_init__(self) -> None:
         w = self.where

@@ -10,6 +10,7 @@ import yaml
 
 from semspec.models.pair import PairConfig
 from semspec.models.settings import settings
+from semspec.models.steps import check_strategy
 
 log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -32,8 +33,12 @@ def list_pairs(directory: Path | None = None) -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml"))
 
 
-def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairConfig:
-    """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path."""
+def load_pair(
+    name_or_path: str | Path, directory: Path | None = None, split_strategy: str = "paragraph"
+) -> PairConfig:
+    """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path; both models end
+    their steps by ``split_strategy`` (params.yaml's, see ``models/steps.py``)."""
+    check_strategy(split_strategy)
     p = Path(name_or_path)
     if p.suffix not in (".yaml", ".yml"):
         if not _NAME_RE.fullmatch(str(name_or_path)):
@@ -51,6 +56,8 @@ def load_pair(name_or_path: str | Path, directory: Path | None = None) -> PairCo
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from e
     pair = PairConfig.from_dict(data, where=str(p))
+    for spec in (pair.draft, pair.target):
+        spec.split = split_strategy
     remote = [pair.draft, pair.target, pair.judge]
     for spec in (x for x in remote if x is not None and x.trust_remote_code):
         log.warning(

@@ -226,7 +226,12 @@ def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble:
         out = cache_dir() / package / gguf_file
         mod = importlib.import_module(package)
         log.info("assembling %s from package %s", out, package)
-        return str(Path(mod.assemble(out)).parent)
+        try:
+            return str(Path(mod.assemble(out)).parent)
+        except FileExistsError:  # a cached file that fails the package's own check: a cut or corrupt copy
+            log.warning("%s is not the file package %s builds: deleting it and assembling it again", out, package)
+            out.unlink()
+            return str(Path(mod.assemble(out)).parent)
     folder = package_dir(package) / sub
     if gguf_file and not (folder / gguf_file).is_file():
         raise ValueError(f"package {package!r} has no file {gguf_file!r} in {folder}")

@@ -32,6 +32,7 @@ LABEL_SCHEMA = pa.schema(
     [
         ("prefix_id", pa.string()),
         ("question_id", pa.string()),
+        ("domain", pa.string()),
         ("role", pa.string()),
         ("sample_idx", pa.int32()),
         ("cluster_id", pa.int32()),
@@ -92,6 +93,7 @@ def label_prefix(
         {
             "prefix_id": group["prefix_id"],
             "question_id": group["question_id"],
+            "domain": group.get("domain", "unknown"),
             "role": group["role"],
             "sample_idx": group["sample_idx"][i],
             "cluster_id": c,
@@ -121,7 +123,7 @@ class JudgeActor:
 
 
 def group_samples(samples: pa.Table, prefixes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One dict per prefix with its samples' fields, in sample order."""
+    """One dict per prefix with its samples' fields, in sample order, and its question's domain."""
     cols = samples.select(
         ["prefix_id", "question_id", "role", "sample_idx", "text", "finish_reason"]
     ).to_pylist()
@@ -143,6 +145,7 @@ def group_samples(samples: pa.Table, prefixes: dict[str, dict[str, Any]]) -> lis
         p = prefixes.get(r["prefix_id"])
         if p is not None:
             g["premise"] = f"{p['question']}\n{p['context']}"
+            g["domain"] = p["domain"]  # for per-domain probes (train.domains)
     return list(groups.values())
 
 

@@ -14,9 +14,19 @@ from typing import Any
 
 import yaml
 
-from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, ROLES, method_label
+from semspec.models.names import (
+    ALL_DOMAINS,
+    METHODS,
+    PROBE_METHOD,
+    PROBE_VARIANTS,
+    ROLES,
+    check_domain,
+    method_label,
+    probe_key,
+)
 from semspec.models.pair import from_mapping
 from semspec.models.project import project_root
+from semspec.models.steps import check_strategy
 
 EXECUTORS = ("ray", "local")
 
@@ -35,7 +45,6 @@ class IngestConfig:
     domains: list[str] | None = None  # keep only these domains (s1K cot_type); None keeps all
     max_questions: int = 8  # questions taken (after the domain filter), seeded shuffle
     max_prefixes_per_question: int = 3  # prefixes kept per question (seeded subset of k = 0..steps-1)
-    split_strategy: str = "paragraph"  # paragraph (\n\n) | sentence
     generate_traces: bool = False  # have the target write a greedy trace where the data has none
     trace_max_tokens: int = 256  # token budget of a generated trace
     seed: int = 0
@@ -45,10 +54,6 @@ class IngestConfig:
     def __post_init__(self) -> None:
         if self.source not in ("arith", "s1k"):
             raise ValueError(f"ingest: field 'source' must be 'arith' or 's1k', got {self.source!r}")
-        if self.split_strategy not in ("paragraph", "sentence"):
-            raise ValueError(
-                f"ingest: field 'split_strategy' must be paragraph or sentence, got {self.split_strategy!r}"
-            )
         _positive(
             "ingest",
             max_questions=self.max_questions,
@@ -123,12 +128,23 @@ class TrainConfig:
     test_fraction: float = 0.2  # of questions
     seed: int = 0
     register: bool = True  # register the probes in the MLflow model registry (alias champion)
+    # `all`: one probe per variant on every domain's data; a list (e.g. [math, science, all]): one probe per
+    # variant and listed domain, on that domain's questions only (the paper's 5.4 cross-domain study)
+    domains: str | list[str] = ALL_DOMAINS
 
     def __post_init__(self) -> None:
         if not self.variants or set(self.variants) - set(PROBE_VARIANTS):
             raise ValueError(
                 f"train: field 'variants' must be a non-empty subset of {PROBE_VARIANTS}, got {self.variants!r}"
             )
+        if self.domains != ALL_DOMAINS:
+            if not isinstance(self.domains, list) or not self.domains:
+                raise ValueError(
+                    f"train: field 'domains' must be 'all' or a non-empty list such as [math, science], "
+                    f"got {self.domains!r}"
+                )
+            for d in self.domains:
+                check_domain(d)
         _positive(
             "train",
             lr=self.lr,
@@ -150,6 +166,10 @@ class TrainConfig:
     def hidden(self, role: str) -> list[int]:
         """Hidden widths of the probe for ``role``."""
         return self.hidden_target if role == "target" else self.hidden_draft
+
+    def domain_list(self) -> list[str]:
+        """The domains probes are trained for (``all``: every domain's data together)."""
+        return [ALL_DOMAINS] if self.domains == ALL_DOMAINS else list(dict.fromkeys(self.domains))
 
 
 EVAL_BENCHMARKS = ("arith", "math500", "aime24", "amc23", "gpqa")
@@ -176,8 +196,10 @@ class EvaluateConfig:
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
+    probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
 
     def __post_init__(self) -> None:
+        check_domain(self.probe_domain)
         bad = set(self.benchmarks) - set(EVAL_BENCHMARKS)
         if bad or not self.benchmarks:
             raise ValueError(
@@ -206,10 +228,14 @@ class EvaluateConfig:
             )
 
     def method_labels(self) -> list[str]:
-        """One label per evaluated decoder: semanticspec expands to semanticspec-<variant>."""
+        """One label per evaluated decoder: semanticspec expands to semanticspec-<variant> (with
+        ``@<domain>`` for one domain's probes, so in- and cross-domain rows sit side by side)."""
         out = []
         for m in self.methods:
-            out += [method_label(m, v) for v in self.probe_variants] if m == PROBE_METHOD else [m]
+            if m == PROBE_METHOD:
+                out += [method_label(m, probe_key(v, self.probe_domain)) for v in self.probe_variants]
+            else:
+                out.append(m)
         return out
 
 
@@ -242,6 +268,7 @@ class Params:
 
     pair: str = "embedded"
     profile: str = "demo"
+    split_strategy: str = "paragraph"  # what a step is, for every stage (models/steps.py)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -323,8 +350,14 @@ def load_params(
     merged["profile"] = prof
     for o in overrides or []:
         _set(merged, o)
-    unknown = sorted(set(merged) - set(_SECTIONS) - {"pair", "profile"})
+    if "split_strategy" in (merged.get("ingest") or {}):
+        raise ValueError(
+            f"{p}: ingest.split_strategy moved to the top level (`split_strategy: sentence`): every stage "
+            f"reads it"
+        )
+    unknown = sorted(set(merged) - set(_SECTIONS) - {"pair", "profile", "split_strategy"})
     if unknown:
         raise ValueError(f"{p}: unknown top-level key(s) {unknown}")
     sections = {k: from_mapping(cls, merged.get(k) or {}, k) for k, cls in _SECTIONS.items()}
-    return Params(pair=str(merged.get("pair", "embedded")), profile=prof, **sections)
+    split = check_strategy(str(merged.get("split_strategy", "paragraph")))
+    return Params(pair=str(merged.get("pair", "embedded")), profile=prof, split_strategy=split, **sections)

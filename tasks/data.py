@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import random
-import re
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -416,20 +415,6 @@ def generate_arith(n: int, split: str = "train", seed: int = 0, test_percent: in
 
 
 # --------------------------------------------------------------------------------------- steps
-SPLIT_STRATEGIES = ("paragraph", "sentence")
-_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+(?=\S)")
-
-
-def split_steps(text: str, strategy: str = "paragraph") -> list[str]:
-    """Split a reasoning chain into steps: on blank lines (``paragraph``, the paper's ``\\n\\n``) or
-    after sentence punctuation followed by whitespace (``sentence``, the paper's A.3). Empty steps are
-    skipped."""
-    if strategy not in SPLIT_STRATEGIES:
-        raise ValueError(f"split strategy must be one of {SPLIT_STRATEGIES}, got {strategy!r}")
-    parts = re.split(r"\n\s*\n", text) if strategy == "paragraph" else _SENTENCE_RE.split(text)
-    return [p.strip() for p in parts if p.strip()]
-
-
 @dataclass
 class Prefix:
     """A question plus its first ``step_index`` reasoning steps (the context a model continues)."""

@@ -15,7 +15,7 @@ from semspec.models.decoding import (
     SpecReasonDecoder,
 )
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import METHODS, PROBE_VARIANTS
+from semspec.models.names import METHODS, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
@@ -76,8 +76,7 @@ def build_decoder(
         return AssistedDecoder(lms["draft"], lms["target"], settings)
     if method == "specreason":
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
-    if variant not in PROBE_VARIANTS:
-        raise ValueError(f"unknown probe variant {variant!r}; expected one of {PROBE_VARIANTS}")
+    split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
     q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
     p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))

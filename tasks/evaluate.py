@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import statistics
 import warnings
 from collections.abc import Callable
@@ -41,7 +40,8 @@ from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
-from semspec.tasks.io import config_hash, git_commit, write_json_atomic
+from semspec.tasks.fingerprint import pipeline_fingerprint
+from semspec.tasks.io import atomic_path, config_hash, git_commit, save_figure_atomic, write_json_atomic
 from semspec.tasks.probe_registry import check_tracking, read_pointers, setup_experiment
 from semspec.tasks.ray_utils import init_ray
 
@@ -246,11 +246,12 @@ def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any) ->
     """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file
     and, for SemanticSpec, its ``run_identity`` (probe versions, salvage). Rows with another key are stale
     and decoded again. The number of actors is not part of it (a row does not depend on which replica
-    decoded it); the batch size is (latencies do)."""
+    decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
+    probes' identity, not in the key of the other methods' rows."""
     settings = {
         k: v
         for k, v in asdict(cfg).items()
-        if k not in ("benchmarks", "methods", "probe_variants", "seeds", "actors")
+        if k not in ("benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain")
     }
     spec = {k: v for k, v in asdict(pair).items() if k != "description"}
     return config_hash(
@@ -280,9 +281,8 @@ def _resume(path: Path, key: str) -> list[dict[str, Any]]:
             stale += 1
     if stale:
         log.info("evaluate: %s: dropping %d rows of other settings (or cut by a crash)", path, stale)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
     return rows
 
 
@@ -538,8 +538,7 @@ def write_plots(
     paths = []
     for name, fig in figures.items():
         fig.tight_layout()
-        paths.append(plots_dir / f"{name}.png")
-        fig.savefig(paths[-1], dpi=90)
+        paths.append(save_figure_atomic(fig, plots_dir / f"{name}.png"))
         plt.close(fig)
     return paths
 
@@ -660,6 +659,20 @@ def stage(
     check_tracking()  # the probes come from the registry and the results go to MLflow
     pins = read_pointers(probes) if PROBE_METHOD in params.evaluate.methods else None
     res = run_evaluate(params.evaluate, pair, out, plots, data_dir=params.ingest.data_dir, pins=pins)
-    metrics.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out / "metrics.json", metrics)
+    # written only once every row is in: what `pairs status` compares to tell a finished evaluation
+    write_json_atomic({**res, RUN_KEY: evaluation_identity(params, pair, pins)}, metrics)
     return res
+
+
+RUN_KEY = "_run"  # in the stage's metrics file: what the finished evaluation was run on
+
+
+def evaluation_identity(params: Params, pair: PairConfig, pins: dict[str, str] | None) -> dict[str, Any]:
+    """What a finished evaluation of ``pair`` depends on: the probes' fingerprint (pair file, data,
+    pipeline params), the evaluation settings and the probe versions it loaded."""
+    return {
+        **pipeline_fingerprint(params, pair),
+        "evaluate_hash": config_hash(asdict(params.evaluate)),
+        "split_strategy": params.split_strategy,
+        "probes": dict(sorted((pins or {}).items())),
+    }

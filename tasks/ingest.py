@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from semspec.models.lm import LM, load_lm
 from semspec.models.pair import PairConfig
+from semspec.models.steps import joiner, split_steps
 from semspec.tasks.config import IngestConfig, Params
 from semspec.tasks.data import (
     MAX_STEPS,
@@ -20,7 +21,6 @@ from semspec.tasks.data import (
     generate_arith,
     load_s1k,
     resolve_data_dir,
-    split_steps,
 )
 from semspec.tasks.io import file_md5, write_parquet_atomic
 
@@ -44,6 +44,11 @@ def select_problems(cfg: IngestConfig) -> list[Problem]:
     if cfg.source == "arith":
         return generate_arith(cfg.max_questions, "train", seed=cfg.seed)
     problems = load_s1k(data_dir=cfg.data_dir, on_error=cfg.on_error).problems
+    if cfg.domains and problems and all(p.domain == "unknown" for p in problems):
+        raise ValueError(
+            f"ingest: field 'domains' ({cfg.domains}) filters on s1K's 'cot_type' column, which this copy of "
+            f"s1K does not have: remove ingest.domains, or use a copy with a 'cot_type' column"
+        )
     if cfg.domains:
         problems = [p for p in problems if p.domain in cfg.domains]
         if not problems:
@@ -85,7 +90,10 @@ def write_trace(lm: LM, question: str, max_tokens: int) -> str:
 
 
 def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM | None = None) -> Path:
-    """Build ``prefixes.parquet`` at ``out_path``. ``target`` (loaded on demand) writes missing traces."""
+    """Build ``prefixes.parquet`` at ``out_path``, splitting chains into steps as the pair's models end
+    them (``split_strategy``, set by ``load_pair``). ``target`` (loaded on demand) writes missing traces."""
+    split = pair.target.split
+    after = joiner(split, pair.target.delimiter)  # what follows each step of a context
     problems = select_problems(cfg)
     rng = random.Random(cfg.seed)
     rows, too_long, no_chain, generated = [], 0, 0, 0
@@ -95,14 +103,14 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM |
             target = target or load_lm(pair.target)
             chain = write_trace(target, prob.question, cfg.trace_max_tokens)
             generated += 1
-        steps = split_steps(chain or "", cfg.split_strategy) or split_steps(prob.solution, cfg.split_strategy)
+        steps = split_steps(chain or "", split) or split_steps(prob.solution, split)
         if not steps:
             no_chain += 1
             continue
         if len(steps) >= MAX_STEPS:
             too_long += 1
             continue
-        prefixes = build_prefixes(prob, steps, cfg.max_prefixes_per_question, pair.target.delimiter, rng=rng)
+        prefixes = build_prefixes(prob, steps, cfg.max_prefixes_per_question, after, rng=rng)
         rows.extend(asdict(p) for p in prefixes)
     if not rows:
         raise ValueError(f"ingest produced no prefixes from {len(problems)} question(s)")

@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +21,52 @@ import yaml
 from semspec.models.project import project_root
 
 
-def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
-    """Write ``table`` to ``path`` via a temp file in the same folder and an atomic rename."""
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temp path beside ``path`` to write to; renamed onto ``path`` when the block ends, deleted when it
+    fails (a full disk, a kill signal turned into an exception): ``path`` is never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Fail early, before any work, when the output ``path`` (a folder, or a file when it has a suffix)
+    cannot be created or written; the ValueError names the option, the path and why."""
+    folder = path.parent if path.suffix else path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        Path(probe).unlink()
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
+    """Write ``table`` to ``path`` via a temp file in the same folder and an atomic rename."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
     return path
 
 
 def write_json_atomic(obj: Any, path: Path) -> Path:
     """Write JSON atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str), encoding="utf-8")
+    return path
+
+
+def save_figure_atomic(fig: Any, path: Path, dpi: int = 90) -> Path:
+    """Save a matplotlib figure atomically (temp file + rename)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
     return path
 
 

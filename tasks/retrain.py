@@ -1,23 +1,28 @@
-"""Retrain policy: which configured pairs lack up-to-date champion probes, and why."""
+"""Retrain policy: which configured pairs lack up-to-date champion probes or a finished evaluation of
+them, and why."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from semspec.models.names import CHAMPION, registered_name
+from semspec.models.names import CHAMPION, PROBE_METHOD, ROLES, probe_key, registered_name
 from semspec.models.project import list_pairs, load_pair
 from semspec.models.weights import unavailable_reason
 from semspec.tasks.fingerprint import FINGERPRINT_REASONS, pipeline_fingerprint
 
 log = logging.getLogger(__name__)
+NOT_EVALUATED = "not evaluated"  # the probes are up to date, their evaluation is missing or stale
 
 
 def champion_status(pair: str, roles: list[str], variants: list[str], expected: dict[str, str]) -> str | None:
-    """None when every ``champion`` probe of the pair exists and carries the ``expected`` tags; else why
+    """None when every ``champion`` probe of the pair (``variants``: probe keys) exists and carries the ``expected`` tags; else why
     the pair needs training ("no champion probe ...", "config changed ...", "data changed ...")."""
     client = mlflow.MlflowClient()
     for role in roles:
@@ -35,15 +40,48 @@ def champion_status(pair: str, roles: list[str], variants: list[str], expected: 
     return None
 
 
-def pair_statuses(params: Any) -> dict[str, str | None]:
+def evaluation_status(params: Any, pair: Any, metrics: Path) -> str | None:
+    """None when ``metrics`` records a finished evaluation (the evaluate stage writes it last) of the
+    current champion probes with the current settings; else why the evaluation must run again."""
+    from semspec.tasks.evaluate import RUN_KEY, evaluation_identity  # heavy: only when probes are current
+
+    if not metrics.is_file():
+        return f"{NOT_EVALUATED}: no finished evaluation ({metrics})"
+    try:
+        run = json.loads(metrics.read_text(encoding="utf-8")).get(RUN_KEY)
+    except (ValueError, AttributeError):
+        run = None
+    if not isinstance(run, dict):
+        return f"{NOT_EVALUATED}: {metrics} does not record what it evaluated"
+    now = evaluation_identity(params, pair, None)
+    changed = [k for k in now if k != "probes" and run.get(k) != now[k]]
+    if changed:
+        return f"{NOT_EVALUATED}: the evaluation was run with other settings ({', '.join(changed)})"
+    if PROBE_METHOD in params.evaluate.methods:
+        client = mlflow.MlflowClient()
+        for role in ROLES:
+            for v in params.evaluate.probe_variants:
+                key = probe_key(v, params.evaluate.probe_domain)
+                name = registered_name(pair.name, role, key)
+                try:
+                    version = client.get_model_version_by_alias(name, CHAMPION).version
+                except MlflowException:
+                    return f"{NOT_EVALUATED}: no champion probe {name} to evaluate"
+                if str((run.get("probes") or {}).get(f"{role}-{key}")) != str(version):
+                    return f"{NOT_EVALUATED}: {name}'s champion v{version} was not evaluated"
+    return None
+
+
+def pair_statuses(params: Any, eval_metrics: Callable[[str], Path] | None = None) -> dict[str, str | None]:
     """For every pair in ``conf/pairs/``: None when its champion probes match the current pair file,
-    params and data (``pipeline_fingerprint``), else why it needs training; an unreadable pair file
-    gives ``"invalid: ..."`` and a pair whose models cannot be loaded here (not cached offline, no GPU)
-    ``"unavailable: ..."``; both are reported, never trained."""
+    params and data (``pipeline_fingerprint``) and, when ``retrain.stages`` evaluates, ``eval_metrics(pair)``
+    records a finished evaluation of them; else why it needs work (``NOT_EVALUATED...``: only the
+    evaluation). An unreadable pair file gives ``"invalid: ..."`` and a pair whose models cannot be loaded
+    here (not cached offline, no GPU) ``"unavailable: ..."``; both are reported, never trained."""
     out: dict[str, str | None] = {}
     for name in list_pairs():
         try:
-            cfg = load_pair(name)
+            cfg = load_pair(name, split_strategy=params.split_strategy)
         except ValueError as e:
             log.error("pair %s: %s", name, e)
             out[name] = f"invalid: {e}"
@@ -52,7 +90,8 @@ def pair_statuses(params: Any) -> dict[str, str | None]:
         if missing:
             out[name] = f"unavailable: {'; '.join(missing)}"
             continue
-        out[name] = champion_status(
-            name, list(params.sample.roles), list(params.train.variants), pipeline_fingerprint(params, cfg)
-        )
+        keys = [probe_key(v, d) for d in params.train.domain_list() for v in params.train.variants]
+        out[name] = champion_status(name, list(params.sample.roles), keys, pipeline_fingerprint(params, cfg))
+        if out[name] is None and eval_metrics is not None and "evaluate" in params.retrain.stages:
+            out[name] = evaluation_status(params, cfg, eval_metrics(name))
     return out

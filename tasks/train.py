@@ -1,5 +1,6 @@
 """Stage ``train``: fit one probe per (role, feature variant) with Lightning, track it in MLflow,
-register it as ``semspec-<pair>-<role>-<variant>`` with alias ``champion``.
+register it as ``semspec-<pair>-<role>-<variant>`` with alias ``champion``. With ``train.domains`` a list,
+one probe per (role, variant, domain) on that domain's questions, named ``...-<variant>-<domain>``.
 
 Train/validation/test splits are made **by question**: no prefix of a test question is trained on.
 """
@@ -10,7 +11,7 @@ import logging
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,20 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from semspec.models.names import ALL_DOMAINS, probe_key, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.models.project import project_root
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
-from semspec.tasks.io import column_matrix, data_hash, git_commit, read_shards, write_json_atomic
+from semspec.tasks.io import (
+    column_matrix,
+    data_hash,
+    git_commit,
+    read_shards,
+    save_figure_atomic,
+    write_json_atomic,
+)
 from semspec.tasks.probe_registry import (
     POINTERS_FILE,
     ProbeRef,
@@ -53,6 +62,7 @@ class ProbeData:
     y: np.ndarray  # (N,) semantic probability
     in_largest: np.ndarray  # (N,) bool: sample is in its prefix's largest cluster
     question_id: np.ndarray  # (N,)
+    domain: np.ndarray  # (N,) the question's domain ('unknown' for labels made before domains were kept)
     model_id: str
     hidden_size: int
     num_layers: int  # L+1 hidden-state layers
@@ -92,9 +102,37 @@ def load_probe_data(samples_dir: Path, labels_path: Path, variants: list[str]) -
         y=np.array([r["semantic_prob"] for r in labels], dtype=np.float32),
         in_largest=np.array([r["in_largest"] for r in labels], dtype=bool),
         question_id=np.array(samples.column("question_id").to_pylist())[rows],
+        domain=np.array([r.get("domain") or "unknown" for r in labels]),
         model_id=samples.column("model_id")[0].as_py(),
         hidden_size=d,
         num_layers=n_layers,
+    )
+
+
+def only_domain(data: ProbeData, domain: str, labels_path: Path) -> ProbeData:
+    """The rows of ``data`` whose question is in ``domain`` (``all``: every row); a clear error naming the
+    domains present when there is none."""
+    if domain == ALL_DOMAINS:
+        return data
+    keep = data.domain == domain
+    if not keep.any():
+        present = sorted(set(data.domain.tolist()))
+        hint = (
+            " (labels made before domains were kept: rerun the cluster stage)"
+            if present == ["unknown"]
+            else ""
+        )
+        raise ValueError(
+            f"train: no labelled sample of domain {domain!r} in {labels_path}; domains present: "
+            f"{present}{hint}. Set train.domains to some of them, or to 'all'"
+        )
+    return replace(
+        data,
+        x={v: m[keep] for v, m in data.x.items()},
+        y=data.y[keep],
+        in_largest=data.in_largest[keep],
+        question_id=data.question_id[keep],
+        domain=data.domain[keep],
     )
 
 
@@ -294,53 +332,65 @@ def run_train(
     all_metrics: dict[str, Any] = {}
     pointers: dict[str, dict[str, Any]] = {}
     for role in roles:
-        data = load_probe_data(samples_dir / role, labels_dir / f"{role}.parquet", cfg.variants)
-        masks = split_by_question(data.question_id, cfg.val_fraction, cfg.test_fraction, cfg.seed)
-        hashes = {
-            "samples": data_hash(samples_dir / role),
-            "labels": data_hash(labels_dir / f"{role}.parquet"),
-        }
+        labels_path = labels_dir / f"{role}.parquet"
+        data = load_probe_data(samples_dir / role, labels_path, cfg.variants)
+        hashes = {"samples": data_hash(samples_dir / role), "labels": data_hash(labels_path)}
         all_metrics[role] = {}
-        for variant in cfg.variants:
-            metrics, ref = _train_probe(run, data, masks, hashes, role, variant)
-            all_metrics[role][variant] = metrics
-            pointers[f"{role}-{variant}"] = asdict(ref)
-            log.info("train[%s/%s]: %s", role, variant, {k: round(v, 4) for k, v in metrics.items()})
+        parts = {}  # every domain's data and split, so that a bad domain fails before any fit
+        for domain in cfg.domain_list():
+            part = only_domain(data, domain, labels_path)
+            try:
+                masks = split_by_question(part.question_id, cfg.val_fraction, cfg.test_fraction, cfg.seed)
+            except ValueError as e:
+                raise ValueError(f"train: {role} probes of domain {domain!r}: {e}") from None
+            parts[domain] = (part, masks)
+        for domain, (part, masks) in parts.items():
+            for variant in cfg.variants:
+                key = probe_key(variant, domain)
+                metrics, ref = _train_probe(run, part, masks, hashes, role, key)
+                all_metrics[role][key] = metrics
+                pointers[f"{role}-{key}"] = asdict(ref)
+                log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
     write_json_atomic(all_metrics, metrics_path)
     write_json_atomic({"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir / POINTERS_FILE)
     return all_metrics
 
 
 def _train_probe(
-    run: _Run, data: ProbeData, masks: dict[str, np.ndarray], hashes: dict[str, str], role: str, variant: str
+    run: _Run, data: ProbeData, masks: dict[str, np.ndarray], hashes: dict[str, str], role: str, key: str
 ) -> tuple[dict[str, float], ProbeRef]:
-    """One probe in its own MLflow run: log its params, fit it, test it, plot its calibration, store and
-    register it. Returns its test metrics and where it is stored."""
+    """One probe (``key``: its variant, ``@domain`` for one domain's) in its own MLflow run: log its
+    params, fit it, test it, plot its calibration, store and register it. Returns its test metrics and
+    where it is stored."""
     cfg, pair = run.cfg, run.pair
+    variant, domain = split_probe_key(key)
+    domain = domain or ALL_DOMAINS
     tags = {
         "stage": "train",
         "pair": pair.name,
         "role": role,
         "variant": variant,
+        "domain": domain,
         "model_id": data.model_id,
         "git_commit": run.commit,
         **run.fingerprint,
     }
-    with mlflow.start_run(run_name=f"probe-{role}-{variant}", tags=tags):
-        mlflow.log_params(_probe_params(cfg, pair, role, variant, hashes, masks))
+    with mlflow.start_run(run_name=f"probe-{role}-{key}", tags=tags):
+        mlflow.log_params({**_probe_params(cfg, pair, role, variant, hashes, masks), "domain": domain})
         probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
         te = masks["test"]
         pred = predict(probe, data.x[variant][te])
         metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
         mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if np.isfinite(v)})
-        fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {variant}")
+        fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {key}")
         run.plots_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(run.plots_dir / f"calibration-{role}-{variant}.png", dpi=90)
+        save_figure_atomic(fig, run.plots_dir / f"calibration-{role}-{key}.png")
         mlflow.log_figure(fig, "calibration.png")
         version_tags = {
             "model_id": data.model_id,
             "hidden_size": str(data.hidden_size),
             "feature": variant,
+            "domain": domain,
             "pair": pair.name,
             "role": role,
             "git_commit": run.commit,
@@ -350,7 +400,7 @@ def _train_probe(
         }
         with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
             save_probe(probe, Path(tmp))
-            ref = register_probe(Path(tmp), pair.name, role, variant, version_tags, cfg.register)
+            ref = register_probe(Path(tmp), pair.name, role, key, version_tags, cfg.register)
     if ref.version is not None:
         metrics["registered_version"] = int(ref.version)
     return metrics, ref

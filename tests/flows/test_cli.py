@@ -167,6 +167,8 @@ def test_decode_rejects_unknown_method():
     [
         (["   "], "the question is empty"),
         (["--probe", "best", "hi"], "expected one of"),
+        (["--probe", "all@x-y", "hi"], "domain 'x-y'"),
+        (["--probe", "all@science", "hi"], "semspec-tiny-draft-all-science"),
         (["--max-new-tokens", "0", "hi"], "max_new_tokens must be >= 1"),
         (["--method", "semanticspec", "hi"], "no registered probe"),
     ],
@@ -181,3 +183,22 @@ def test_decode_checks_every_argument_before_loading_a_model(args, says, tmp_pat
     write_tiny_pair(tmp_path)
     res = runner.invoke(app, ["decode", "--pair", str(tmp_path / "tiny.yaml"), *args])
     assert res.exit_code == 2 and says in res.output
+
+
+@pytest.mark.parametrize(
+    "stage, option",
+    [("ingest", "--out"), ("train", "--metrics"), ("evaluate", "--plots"), ("sample", "--out")],
+)
+def test_an_unwritable_output_fails_before_any_work(stage, option, tmp_path, monkeypatch):
+    """An output under a regular file (unwritable even for root): exit 2 naming the option and path,
+    before the stage runs, and nothing is written."""
+    import importlib
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    target = blocker / ("x.json" if option == "--metrics" else "out")
+    module = importlib.import_module(f"semspec.tasks.{stage}")
+    monkeypatch.setattr(module, "stage", lambda **kw: pytest.fail("the stage ran"))
+    res = runner.invoke(app, [stage, "--profile", "tiny", option, str(target)])
+    assert res.exit_code == 2 and f"{option} {target}: cannot write there" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

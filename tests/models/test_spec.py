@@ -72,6 +72,10 @@ def test_unknown_and_missing_fields(tmp_path):
     data["draft"]["path"] = ""
     with pytest.raises(ValueError, match="'path' is required"):
         PairConfig.from_dict(data)
+    data = copy.deepcopy(BASE)
+    data["draft"]["split"] = "sentence"  # params.yaml's split_strategy decides, for both models at once
+    with pytest.raises(ValueError, match=r"unknown field.*split"):
+        PairConfig.from_dict(data)
 
 
 def test_load_pair_errors(tmp_path):

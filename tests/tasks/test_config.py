@@ -56,6 +56,12 @@ def test_profiles_and_overrides():
         ("nonsense", "section.key=value"),
         ("retrain.cron=weekly", "cron"),
         ("retrain.stages=[deploy]", "stages"),
+        ("split_strategy=words", "split_strategy must be one of"),
+        ("ingest.split_strategy=sentence", "moved to the top level"),
+        ("train.domains=[]", "'domains' must be 'all' or a non-empty list"),
+        ("train.domains=math", "'domains' must be 'all' or a non-empty list"),
+        ("train.domains=[math, a-b]", "domain 'a-b'"),
+        ("evaluate.probe_domain=x/y", "domain 'x/y'"),
     ],
 )
 def test_bad_values_name_the_field(override, msg):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from semspec.models.steps import split_steps
 from semspec.tasks import data as D
 
 EXPECTED = {"s1k": 1000, "math500": 500, "aime24": 30, "amc23": 40, "gpqa": 198}
@@ -136,6 +137,20 @@ def test_s1k_uses_trace_and_cot_type_when_present(tmp_path):
     assert p[2].trace is None
 
 
+def test_a_domain_filter_on_s1k_without_cot_type_names_the_column(tmp_path):
+    from semspec.tasks.config import IngestConfig
+    from semspec.tasks.ingest import select_problems
+
+    (tmp_path / "s1k").mkdir()
+    rows = [{"question": f"q{i}", "solution": "s"} for i in range(3)]
+    (tmp_path / "s1k" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = IngestConfig(source="s1k", domains=["math"], data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="'cot_type' column"):
+        select_problems(cfg)
+    cfg.domains = None
+    assert len(select_problems(cfg)) == 3
+
+
 # ----------------------------------------------------------------------------- arithmetic generator
 def test_arith_train_and_test_never_share_a_problem():
     train = D.generate_arith(400, "train", seed=0)
@@ -152,7 +167,7 @@ def test_arith_is_seeded_and_its_solutions_are_exact():
     assert [p.question for p in a] == [p.question for p in b]
     assert [p.question for p in a] != [p.question for p in D.generate_arith(30, "train", seed=4)]
     for p in a:
-        steps = D.split_steps(p.solution)
+        steps = split_steps(p.solution)
         assert 3 <= len(steps) <= 6
         for expr, rhs in re.findall(r"(\d+(?: [-+*/] \d+)+) = (\d+)", p.solution):
             assert eval(expr.replace("/", "//")) == int(rhs), (expr, rhs)
@@ -169,15 +184,15 @@ def test_arith_bad_arguments():
 # ----------------------------------------------------------------------------- steps and prefixes
 def test_split_steps_paragraph_and_sentence():
     text = "First 3.5 apples.\n\n\n  \nSecond: x! Third?\n \nLast"
-    assert D.split_steps(text) == ["First 3.5 apples.", "Second: x! Third?", "Last"]
-    assert D.split_steps(text, "sentence") == ["First 3.5 apples.", "Second: x!", "Third?", "Last"]
-    with pytest.raises(ValueError, match="split strategy"):
-        D.split_steps(text, "words")
+    assert split_steps(text) == ["First 3.5 apples.", "Second: x! Third?", "Last"]
+    assert split_steps(text, "sentence") == ["First 3.5 apples.", "Second: x!", "Third?", "Last"]
+    with pytest.raises(ValueError, match="split_strategy"):
+        split_steps(text, "words")
 
 
 def test_build_prefixes_contexts_and_limits():
     prob = D.generate_arith(1, "train")[0]
-    steps = D.split_steps(prob.solution)
+    steps = split_steps(prob.solution)
     pre = D.build_prefixes(prob, steps)
     assert [p.step_index for p in pre] == list(range(len(steps)))
     assert pre[0].context == "" and pre[2].context == steps[0] + "\n\n" + steps[1] + "\n\n"
@@ -191,6 +206,6 @@ def test_build_prefixes_contexts_and_limits():
 @settings(max_examples=300, deadline=None)
 @given(st.text(), st.sampled_from(["paragraph", "sentence"]))
 def test_step_splitting_never_raises_and_loses_nothing(text, strategy):
-    steps = D.split_steps(text, strategy)
+    steps = split_steps(text, strategy)
     assert all(s and s == s.strip() for s in steps)
     assert "".join("".join(steps).split()) == "".join(text.split())

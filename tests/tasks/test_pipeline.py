@@ -209,6 +209,77 @@ def test_train_registers_eight_champion_probes(stages, trained):
     assert len(history) > 1 and [h.step for h in history] == sorted(h.step for h in history)
 
 
+def test_per_domain_probes_train_register_and_load(stages, tmp_path, monkeypatch):
+    """train.domains [math, science]: one probe per (role, variant, domain) on that domain's questions only,
+    registered as semspec-<pair>-<role>-<variant>-<domain>, recorded as <variant>@<domain>, loadable by
+    evaluation's probe_domain; an absent domain fails before any fit, naming the domains present."""
+    import mlflow
+    import pyarrow as pa
+
+    from semspec.tasks.config import TrainConfig
+    from semspec.tasks.decoders import probe_fn
+    from semspec.tasks.probe_registry import read_pointers
+    from semspec.tasks.train import run_train
+
+    src = stages["tmp"]
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    per_role = [
+        {r["question_id"] for r in pq.read_table(src / "labels" / f"{role}.parquet").to_pylist()}
+        for role in ("draft", "target")
+    ]
+    qids = sorted(per_role[0] & per_role[1])
+    assert len(qids) >= 6, per_role
+    science = set(qids[:3])
+    for role in ("draft", "target"):
+        t = pq.read_table(src / "labels" / f"{role}.parquet")
+        assert set(t.column("domain").to_pylist()) == {"math"}  # cluster keeps the question's domain
+        dom = ["science" if q in science else "math" for q in t.column("question_id").to_pylist()]
+        pq.write_table(
+            t.set_column(t.schema.get_field_index("domain"), "domain", pa.array(dom)),
+            labels / f"{role}.parquet",
+        )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    monkeypatch.setenv("SEMSPEC_MLFLOW_ARTIFACTS", str(tmp_path / "mlartifacts"))
+    cfg = TrainConfig(variants=["all", "random"], domains=["math", "science"], max_epochs=2, batch_size=16)
+    args = (
+        stages["pair"],
+        src / "samples",
+        labels,
+        tmp_path / "probes",
+        tmp_path / "m.json",
+        tmp_path / "plots",
+    )
+    with pytest.raises(ValueError, match=r"domain 'physics'.*\['math', 'science'\]"):
+        run_train(TrainConfig(variants=["random"], domains=["physics"]), *args)
+    res = run_train(cfg, *args)
+    assert set(res["draft"]) == {"all@math", "all@science", "random@math", "random@science"}
+    pins = read_pointers(tmp_path / "probes")
+    assert set(pins) == {f"{r}-{k}" for r in ("draft", "target") for k in res["draft"]}
+    client = mlflow.MlflowClient()
+    mv = client.get_model_version_by_alias("semspec-tiny-target-all-science", "champion")
+    assert mv.tags["domain"] == "science" and mv.tags["feature"] == "all"
+    runs = mlflow.search_runs(experiment_names=["semspec-tiny"])
+    runs = runs[runs["tags.role"] == "draft"]
+    per_domain = runs.groupby("params.domain")[["params.n_train", "params.n_val", "params.n_test"]].first()
+    rows = pq.read_table(labels / "draft.parquet").to_pylist()
+    for domain in ("math", "science"):
+        n = sum(int(per_domain.loc[domain, f"params.n_{k}"]) for k in ("train", "val", "test"))
+        assert n == sum(r["domain"] == domain for r in rows)  # that domain's samples, no other
+    lm = load_lm(stages["pair"].role("draft"))
+    fn, sha = probe_fn("tiny", "draft", "all@math", lm, pins["draft-all@math"])
+    from semspec.models.lm import Pooled
+
+    assert 0.0 <= fn(Pooled(torch.randn(lm.num_layers + 1, lm.hidden_size))) <= 1.0
+    assert (
+        sha == client.get_model_version("semspec-tiny-draft-all-math", pins["draft-all@math"]).tags["sha256"]
+    )
+    p = load_params(
+        profile="tiny", overrides=["evaluate.probe_domain=science", "evaluate.probe_variants=[all]"]
+    )
+    assert "semanticspec-all@science" in p.evaluate.method_labels()
+
+
 def test_registry_round_trip_and_mismatch(stages, trained):
     from semspec.models.lm import Pooled
     from semspec.models.probe import probe_probability
@@ -428,6 +499,43 @@ def test_ingest_has_the_target_write_missing_traces(tmp_path):
     assert all(r["domain"] == "unknown" for r in rows)
 
 
+def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
+    """``split_strategy: sentence`` is one setting every stage reads: ingest's contexts are whole sentences
+    joined by a space (more steps than paragraphs), the models end their samples at sentence ends, and
+    the labels cover those samples."""
+    from semspec.models.project import load_pair
+    from semspec.models.steps import split_steps
+
+    write_tiny_pair(tmp_path)
+    pair = load_pair(tmp_path / "tiny.yaml", split_strategy="sentence")
+    assert pair.draft.split == pair.target.split == "sentence"
+    p = load_params(
+        profile="tiny",
+        overrides=[*OVERRIDES, "split_strategy=sentence", "sample.max_step_tokens=30", "sample.n=4"],
+    )
+    assert p.split_strategy == "sentence"
+    prefixes = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
+    rows = pq.read_table(prefixes).to_pylist()
+    assert max(r["step_index"] for r in rows) >= 4  # a paragraph of two sentences gives two steps
+    for r in rows:
+        assert r["context"] == "" or r["context"].endswith(". ")
+        assert len(split_steps(r["context"], "sentence")) == r["step_index"]
+    lms = {}
+    for role in ("draft", "target"):
+        lms[role] = load_lm(pair.role(role))
+        tok = lms[role].tokenizer
+        boost_tokens(lms[role].model, tok.convert_tokens_to_ids([".", " "]), 3.0)
+    run_sample(p.sample, pair, prefixes, tmp_path / "samples", lms=lms)
+    samples = read_shards(tmp_path / "samples" / "draft").to_pylist()
+    ended = [s for s in samples if s["finish_reason"] == "delimiter"]
+    assert ended, "boosted '.' and ' ' must end some samples at a sentence end"
+    for s in ended:
+        assert s["text"].rstrip()[-1] in ".!?" and split_steps(s["text"], "sentence") == [s["text"].strip()]
+    run_cluster(p.cluster, pair, tmp_path / "samples", tmp_path / "labels", prefixes, judge=_judge())
+    labels = pq.read_table(tmp_path / "labels" / "draft.parquet").to_pylist()
+    assert {r["prefix_id"] for r in labels} == {r["prefix_id"] for r in rows}
+
+
 ALL_ROLES, ALL_VARIANTS = ["draft", "target"], ["last", "all", "mix", "random"]
 
 
@@ -471,3 +579,44 @@ def test_pair_statuses_covers_every_pair_file(stages, trained, tmp_path, monkeyp
     assert st["fresh"] == "no champion probe semspec-fresh-draft-last"
     assert st["gone"].startswith("unavailable: local model folder") and "missing" in st["gone"]
     assert st["broken"].startswith("invalid:") and "missing field" in st["broken"]
+
+
+def test_status_says_not_evaluated_until_an_evaluation_of_the_champions_finishes(stages, trained, tmp_path):
+    """Probes registered but the evaluation failed (no metrics file: the stage writes it last), ran with
+    other settings, or evaluated older champions: `pairs status` says so, and the retrain reruns only
+    evaluate and the decode smoke; invalid and unavailable pairs are listed as skipped with the reason."""
+    import semspec.tasks.evaluate as ev
+    from semspec.flows.pipeline import retrain_plan
+    from semspec.tasks.probe_registry import read_pointers
+    from semspec.tasks.retrain import evaluation_status
+
+    params, pair = stages["params"], stages["pair"]
+    metrics = tmp_path / "eval_metrics.json"
+    assert evaluation_status(params, pair, metrics).startswith("not evaluated: no finished evaluation")
+    pins = read_pointers(stages["tmp"] / "probes")
+
+    def failing(*a, **kw):
+        raise RuntimeError("killed mid-evaluation")
+
+    kw = {"probes": stages["tmp"] / "probes", "out": tmp_path / "eval", "plots": tmp_path / "plots"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ev, "check_tracking", lambda: None)
+        mp.setattr(ev, "run_evaluate", failing)
+        with pytest.raises(RuntimeError):
+            ev.stage(params=params, pair=pair, metrics=metrics, **kw)
+        assert not metrics.exists()
+        mp.setattr(ev, "run_evaluate", lambda *a, **k: {"arith": {}})
+        ev.stage(params=params, pair=pair, metrics=metrics, **kw)
+    assert json.loads(metrics.read_text())["_run"]["probes"] == dict(sorted(pins.items()))
+    assert evaluation_status(params, pair, metrics) is None
+    other = load_params(profile="tiny", overrides=[*OVERRIDES, "evaluate.max_new_tokens=7"])
+    assert "other settings (evaluate_hash)" in evaluation_status(other, pair, metrics)
+    record = json.loads(metrics.read_text())
+    record["_run"]["probes"]["target-all"] = "0"
+    metrics.write_text(json.dumps(record))
+    assert "semspec-tiny-target-all's champion" in evaluation_status(params, pair, metrics)
+
+    statuses = {"a": None, "b": "not evaluated: x", "c": "config changed: y", "d": "unavailable: no GPU"}
+    todo, skipped = retrain_plan(statuses, ["ingest", "sample", "train", "evaluate", "decode"])
+    assert todo == {"b": ["evaluate", "decode"], "c": ["ingest", "sample", "train", "evaluate", "decode"]}
+    assert skipped == {"d": "unavailable: no GPU"}
