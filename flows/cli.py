@@ -542,16 +542,48 @@ def serve() -> None:
 
 
 @app.command()
+def run(
+    retrain: Annotated[
+        bool, typer.Option("--retrain", help="Run semspec/retrain (every pair that needs it) instead.")
+    ] = False,
+) -> None:
+    """Run the deployment semspec/full (params.yaml's pair and profile) and follow it here: each stage's
+    output and progress as it runs, then the metrics and the links to the flow run and the probe
+    comparison. Needs `semspec services up`."""
+    import asyncio
+
+    from semspec.flows.watch import flow_run_url, run_and_follow
+
+    deployment = "semspec/retrain" if retrain else "semspec/full"
+    try:
+        done = asyncio.run(run_and_follow(deployment, {}, typer.echo))
+    except Exception as e:  # the API is down, the deployment is not served, ...
+        typer.echo(f"error: {deployment}: {e} (is `semspec services up` running?)", err=True)
+        raise typer.Exit(2) from None
+    typer.echo("")
+    report(None, None)
+    typer.echo(f"Flow run:   {flow_run_url(done.id)}")
+    if not (done.state and done.state.is_completed()):
+        typer.echo(
+            f"error: flow run {done.name} ended {done.state.name if done.state else 'unknown'}", err=True
+        )
+        raise typer.Exit(1)
+
+
+@app.command()
 def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
-    """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs."""
+    """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs, with one
+    link that compares the probe variants in MLflow."""
     from semspec.flows.env import service_urls
-    from semspec.flows.report import pair_report
+    from semspec.flows.report import compare_url, pair_report
     from semspec.flows.stages import tracked_config
 
     default_pair, default_profile = tracked_config()
     typer.echo(pair_report(pair or default_pair, profile or default_profile))
     urls = service_urls()
     typer.echo(f"\nPrefect UI: {urls['prefect']}\nMLflow UI:  {urls['mlflow']}")
+    if link := compare_url(pair or default_pair):
+        typer.echo(f"Compare the probes (MLflow): {link}")
 
 
 @pairs_app.command("status")

@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.flows import EntrypointType
 from prefect.schedules import Cron
 
-from semspec.flows.report import experiment_url, mlflow_runs, pair_report
+from semspec.flows.report import compare_url, experiment_url, mlflow_runs, pair_report
 from semspec.flows.stages import StageRequest, run_stage, stage_option
 from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import load_lm
@@ -137,6 +137,12 @@ def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: d
             "## Decode smoke test (registered champion probes)",
             f"{smoke['question']}\n\nprobe `{smoke['probe']}`: {smoke['steps']} steps, "
             f"{smoke['output_tokens']} tokens, target share {smoke['target_share']}, answer `{smoke['answer']}`",
+        ]
+    compare = compare_url(pair)
+    if compare:
+        md += [
+            "## Compare the probe variants",
+            f"[Random / last / all / mix side by side in MLflow]({compare})",
         ]
     links = mlflow_runs(pair)
     if links:

@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import mlflow
 
@@ -106,6 +107,28 @@ def mlflow_runs(pair: str) -> list[dict[str, str]]:
             },
         )
     return sorted(latest.values(), key=lambda x: (x["stage"] != "train", x["name"]))
+
+
+def compare_url(pair: str) -> str | None:
+    """MLflow UI link comparing the latest finished probe of each role and variant (Random, last, all,
+    mix side by side, same metric names), None before any probe was trained."""
+    exp = mlflow.get_experiment_by_name(experiment_name(pair))
+    if exp is None:
+        return None
+    runs = mlflow.search_runs(
+        experiment_ids=[exp.experiment_id],
+        filter_string="attributes.status = 'FINISHED' and tags.stage = 'train'",
+        order_by=["attributes.start_time DESC"],
+        output_format="list",
+    )
+    latest: dict[str, str] = {}
+    for r in runs:
+        latest.setdefault(r.info.run_name or r.info.run_id, r.info.run_id)
+    if not latest:
+        return None
+    ids = json.dumps([latest[k] for k in sorted(latest)], separators=(",", ":"))
+    query = f"runs={quote(ids)}&experiments={quote(json.dumps([exp.experiment_id]))}"
+    return f"{service_urls()['mlflow']}/#/compare-runs?{query}"
 
 
 def experiment_url(pair: str) -> str | None:

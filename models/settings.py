@@ -80,6 +80,9 @@ def project_env(root: Path | None = None, s: Settings | None = None) -> dict[str
         # a web page in the user's browser must not drive the API: only the UI's own origin, CSRF tokens on
         "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{s.prefect_port}",
         "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
+        # live flow-run logs over the API's websocket: `semspec run` shows stage progress in the terminal
+        "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+        "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
         "DO_NOT_TRACK": "true",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_TRACKING_URI": f"sqlite:///{r / 'mlruns.db'}",

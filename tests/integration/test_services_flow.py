@@ -1,10 +1,11 @@
 """The whole flow on the embedded pair (tiny profile) through real services, in a copy of the project:
-`semspec services up` -> `prefect deployment run semspec/full --watch` (twice) -> the MLflow UI's REST
+`semspec services up` -> `semspec run`, then `prefect deployment run semspec/full --watch` -> the MLflow UI's REST
 API -> a new pair picked up by `semspec/retrain` -> `semspec services down`, which must leave nothing."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -120,9 +121,14 @@ def test_a_foreign_web_page_cannot_drive_either_api(project):
 
 
 def test_full_deployment_runs_the_pipeline_and_records_it_in_dvc(project):
-    out = project.run("prefect", "deployment", "run", "semspec/full", "--watch")
-    assert "Flow run finished successfully" in out.stdout
+    out = project.run("semspec", "run").stdout  # the README's way: the flow run followed in the terminal
+    assert "\x1b[" not in out, "no raw ANSI codes in the terminal"
+    for stage in ("sample", "evaluate"):  # each stage's progress (done/total, rate, ETA) streams as it runs
+        assert re.search(rf"{stage}: +\d+%\|.*\| \d+/\d+ \[", out), f"no {stage} progress in:\n{out[-3000:]}"
+    assert f"{project.api.removesuffix('/api')}/runs/flow-run/" in out
+    assert f"Compare the probes (MLflow): {project.mlflow}/#/compare-runs?runs=" in out
     report = project.artifact("semspec-embedded")
+    assert "## Compare the probe variants" in report
     for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
         assert f"| {stage} | dvc | ran |" in report
     assert "## Decode smoke test (registered champion probes)" in report and "probe-target-all" in report
