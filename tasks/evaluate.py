@@ -543,10 +543,30 @@ def write_plots(
     return paths
 
 
+# one fixed colour per method in every chart, whichever methods a run has
+METHOD_COLOURS = {
+    "target": "black",
+    "draft": "tab:gray",
+    "specsampling": "tab:orange",
+    "assisted": "tab:brown",
+    "specreason": "tab:purple",
+    "semanticspec-random": "tab:red",
+    "semanticspec-last": "tab:cyan",
+    "semanticspec-all": "tab:blue",
+    "semanticspec-mix": "tab:green",
+}
+
+
+def method_style(label: str) -> dict[str, str]:
+    """Colour (by method and probe variant) and marker (triangle for one domain's probes) of a label."""
+    base, _, domain = label.partition("@")
+    return {"color": METHOD_COLOURS.get(base, "tab:olive"), "marker": "^" if domain else "o"}
+
+
 def _pass_vs_latency(plt: Any, bench: str, ms: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for label, m in ms.items():
-        ax.scatter(m["latency_s"], m["pass@1"], s=40, label=label)
+        ax.scatter(m["latency_s"], m["pass@1"], s=40, label=label, **method_style(label))
     ax.set(
         xlabel="latency per problem (s)",
         ylabel="pass@1",
@@ -600,12 +620,33 @@ def log_to_mlflow(
     labels: list[str] | None = None,
     pins: dict[str, str] | None = None,
 ) -> None:
-    """One MLflow run per method (probe variant as a param), metrics per benchmark as ``<bench>_<metric>``
-    and over all benchmarks without a prefix, each model's dtype as a param; tags give the provenance (git
-    commit, config hash, model ids, probe versions)."""
+    """One parent MLflow run per evaluation, holding the plots (once), with one nested run per method
+    (probe variant as a param): metrics per benchmark as ``<bench>_<metric>`` and over all benchmarks
+    without a prefix, each model's dtype as a param; tags give the provenance (git commit, config hash,
+    model ids, probe versions)."""
     setup_experiment(pair.name)
+    parent = {"stage": EVAL_PARENT, "pair": pair.name, "git_commit": git_commit()}
+    parent["config_hash"] = config_hash(asdict(cfg))
+    with mlflow.start_run(run_name=f"evaluate-{pair.name}", tags=parent):  # the methods' runs nest under it
+        if plots_dir is not None and plots_dir.is_dir():
+            for p in sorted(plots_dir.glob("*.png")):
+                mlflow.log_artifact(str(p), "plots")  # once, on the parent run
+        _log_methods(cfg, pair, metrics, labels or cfg.method_labels(), pins)
+
+
+EVAL_PARENT = "evaluate-summary"  # the stage tag of the run that groups one evaluation's method runs
+
+
+def _log_methods(
+    cfg: EvaluateConfig,
+    pair: PairConfig,
+    metrics: dict[str, Any],
+    labels: list[str],
+    pins: dict[str, str] | None,
+) -> None:
+    """One nested MLflow run per method label."""
     models = metrics.get("_models", {})
-    for label in labels or cfg.method_labels():
+    for label in labels:
         method, _, variant = label.partition("-")
         tags = {"stage": "evaluate", "pair": pair.name, "method": method, "variant": variant or "none"}
         tags |= {"git_commit": git_commit(), "config_hash": config_hash(asdict(cfg))}
@@ -614,7 +655,7 @@ def log_to_mlflow(
             tags |= {f"{r}_probe_version": (pins or {}).get(f"{r}-{variant}", "champion") for r in ROLES}
         if method in ("target", "draft", "specsampling", "assisted"):
             tags["absent_metrics"] = "step_acceptance: this method verifies no draft steps"
-        with mlflow.start_run(run_name=f"eval-{label}", tags=tags):
+        with mlflow.start_run(run_name=f"eval-{label}", tags=tags, nested=True):
             mlflow.log_params(
                 {
                     "method": method,
@@ -645,9 +686,6 @@ def log_to_mlflow(
                         if isinstance(v, int | float)
                     }
                 )
-            if plots_dir is not None and plots_dir.is_dir():
-                for p in plots_dir.glob("*.png"):
-                    mlflow.log_artifact(str(p), "plots")
 
 
 def stage(

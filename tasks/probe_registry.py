@@ -102,9 +102,11 @@ def register_probe(
     variant: str,
     tags: dict[str, str],
     register: bool = True,
+    description: str | None = None,
 ) -> ProbeRef:
     """Log a probe saved by ``save_probe`` in ``folder`` as artifacts of the active run (named after the
-    probe) and, with ``register``, create a registry version with ``tags`` and point ``champion`` at it.
+    probe) and, with ``register``, create a registry version with ``tags`` and point ``champion`` at it;
+    ``description`` (what the probe reads and predicts) becomes the registered model's description.
     The weights' sha256 is a version tag, checked whenever the probe is loaded."""
     name = registered_name(pair, role, variant)
     sha = sha256_of(folder / WEIGHTS_FILE)
@@ -117,6 +119,8 @@ def register_probe(
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name)
+    if description:
+        client.update_registered_model(name, description=description)
     run = mlflow.active_run()
     mv = client.create_model_version(
         name, source, run_id=run.info.run_id if run else None, tags={**tags, "sha256": sha}

@@ -331,6 +331,31 @@ def run_train(
     run = _Run(cfg, pair, plots_dir, git_commit(), fingerprint or {})
     all_metrics: dict[str, Any] = {}
     pointers: dict[str, dict[str, Any]] = {}
+    parent_tags = {"stage": TRAIN_PARENT, "pair": pair.name, "git_commit": run.commit, **run.fingerprint}
+    with mlflow.start_run(run_name=f"train-{pair.name}", tags=parent_tags):  # the probes nest under it
+        _train_roles(run, roles, samples_dir, labels_dir, all_metrics, pointers)
+        fig = variant_figure(all_metrics, pair.name)
+        save_figure_atomic(fig, plots_dir / "probe-variants.png")
+        mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
+    write_json_atomic(all_metrics, metrics_path)
+    write_json_atomic({"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir / POINTERS_FILE)
+    return all_metrics
+
+
+TRAIN_PARENT = "train-summary"  # the stage tag of the run that groups one train stage's probe runs
+
+
+def _train_roles(
+    run: _Run,
+    roles: list[str],
+    samples_dir: Path,
+    labels_dir: Path,
+    all_metrics: dict[str, Any],
+    pointers: dict[str, dict[str, Any]],
+) -> None:
+    """Every (role, domain, variant) probe, each in a nested MLflow run; fills ``all_metrics`` and
+    ``pointers``."""
+    cfg = run.cfg
     for role in roles:
         labels_path = labels_dir / f"{role}.parquet"
         data = load_probe_data(samples_dir / role, labels_path, cfg.variants)
@@ -351,9 +376,36 @@ def run_train(
                 all_metrics[role][key] = metrics
                 pointers[f"{role}-{key}"] = asdict(ref)
                 log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
-    write_json_atomic(all_metrics, metrics_path)
-    write_json_atomic({"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir / POINTERS_FILE)
-    return all_metrics
+
+
+def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):
+    """The probe variants side by side: test MSE, AUROC and Spearman per variant (x) and role (bars)."""
+    import matplotlib  # imported here: the headless backend must be chosen before pyplot loads
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = sorted(all_metrics)
+    keys = sorted({k for r in roles for k in all_metrics[r]})
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, (metric, title) in zip(
+        axes,
+        (("mse", "test MSE (lower is better)"), ("auroc", "AUROC"), ("spearman", "Spearman")),
+        strict=True,
+    ):
+        for j, role in enumerate(roles):
+            ax.bar(
+                [i + 0.8 * j / len(roles) for i in range(len(keys))],
+                [all_metrics[role].get(k, {}).get(metric, float("nan")) for k in keys],
+                width=0.8 / len(roles),
+                label=role,
+            )
+        ax.set_xticks([i + 0.4 - 0.4 / len(roles) for i in range(len(keys))], keys, rotation=20, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{pair}: probe variants on held-out questions", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 def _train_probe(
@@ -375,7 +427,7 @@ def _train_probe(
         "git_commit": run.commit,
         **run.fingerprint,
     }
-    with mlflow.start_run(run_name=f"probe-{role}-{key}", tags=tags):
+    with mlflow.start_run(run_name=f"probe-{role}-{key}", tags=tags, nested=True):
         mlflow.log_params({**_probe_params(cfg, pair, role, variant, hashes, masks), "domain": domain})
         probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
         te = masks["test"]
@@ -386,24 +438,48 @@ def _train_probe(
         run.plots_dir.mkdir(parents=True, exist_ok=True)
         save_figure_atomic(fig, run.plots_dir / f"calibration-{role}-{key}.png")
         mlflow.log_figure(fig, "calibration.png")
+        # the same names and values as the run's params, plus the test metrics, on every version
         version_tags = {
             "model_id": data.model_id,
             "hidden_size": str(data.hidden_size),
-            "feature": variant,
+            "variant": variant,
+            "feature": FEATURE_COLUMN.get(variant, "none"),
             "domain": domain,
             "pair": pair.name,
             "role": role,
             "git_commit": run.commit,
-            "data_hash": hashes["samples"],
+            "samples_hash": hashes["samples"],
             "labels_hash": hashes["labels"],
+            **{f"test_{k}": f"{v:.4g}" for k, v in metrics.items() if np.isfinite(v)},
             **run.fingerprint,
         }
         with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
             save_probe(probe, Path(tmp))
-            ref = register_probe(Path(tmp), pair.name, role, key, version_tags, cfg.register)
+            ref = register_probe(
+                Path(tmp), pair.name, role, key, version_tags, cfg.register, _description(pair, role, key)
+            )
     if ref.version is not None:
         metrics["registered_version"] = int(ref.version)
     return metrics, ref
+
+
+def _description(pair: PairConfig, role: str, key: str) -> str:
+    """The registered model's description: what the probe reads and what it predicts."""
+    variant, domain = split_probe_key(key)
+    reads = {
+        "last": "the last layer's hidden states",
+        "all": "the mean over all layers of the hidden states (the paper's probe)",
+        "mix": "the hidden states of every layer, with learned layer weights",
+        "random": "nothing: the paper's Random ablation draws a uniform number",
+    }[variant]
+    spec = pair.role(role)
+    return (
+        f"SemanticSpec probe of pair {pair.name}, role {role} ({spec.model_id}). Reads {reads}, pooled over "
+        f"a reasoning step, and predicts the step's semantic probability: the share of the {role}'s sampled "
+        f"continuations of the same prefix that mean the same thing. Trained on "
+        f"{'every domain' if domain is None else f'the {domain} questions only'}. Decoding loads the version "
+        f"with alias champion."
+    )
 
 
 def _probe_params(

@@ -223,3 +223,18 @@ def test_evaluate_decodes_with_the_configured_top_p():
     assert {(d.settings.temperature, d.settings.top_p) for d in decoders.values()} == {(0.7, 0.8)}
     with pytest.raises(ValueError, match="top_p"):
         EvaluateConfig(top_p=0.0)
+
+
+def test_every_method_has_its_own_fixed_colour():
+    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, method_label
+    from semspec.tasks.evaluate import method_style
+
+    labels = [m for m in METHODS if m != PROBE_METHOD] + [
+        method_label(PROBE_METHOD, v) for v in PROBE_VARIANTS
+    ]
+    colours = [method_style(label)["color"] for label in labels]
+    assert len(set(colours)) == len(labels), dict(zip(labels, colours, strict=True))
+    assert method_style("semanticspec-all@math") == {
+        "color": method_style("semanticspec-all")["color"],
+        "marker": "^",
+    }

@@ -198,10 +198,21 @@ def test_train_registers_eight_champion_probes(stages, trained):
         for v in ("last", "all", "mix", "random"):
             mv = client.get_model_version_by_alias(f"semspec-tiny-{role}-{v}", "champion")
             assert mv.tags["model_id"] == f"tiny-{role}" and mv.tags["hidden_size"] == str(d)
-            assert mv.tags["feature"] == v and mv.tags["pair"] == "tiny" and mv.tags["git_commit"]
-            assert mv.tags["data_hash"].startswith(("md5:", "dvc:"))
-    runs = mlflow.search_runs(experiment_names=["semspec-tiny"])  # the fixture points MLflow at tmp
+            assert mv.tags["variant"] == v and mv.tags["pair"] == "tiny" and mv.tags["git_commit"]
+            assert mv.tags["samples_hash"].startswith(("md5:", "dvc:"))
+            run = client.get_run(mv.run_id)  # version tags use the run's param names and values
+            for key in ("variant", "feature", "samples_hash", "labels_hash", "domain"):
+                assert mv.tags[key] == run.data.params[key], key
+            assert float(mv.tags["test_mse"]) == pytest.approx(trained[role][v]["mse"], rel=1e-3)
+            desc = client.get_registered_model(f"semspec-tiny-{role}-{v}").description
+            assert f"role {role} (tiny-{role})" in desc and "semantic probability" in desc
+    everything = mlflow.search_runs(experiment_names=["semspec-tiny"])  # the fixture points MLflow at tmp
+    (parent,) = everything[everything["tags.stage"] == "train-summary"]["run_id"]
+    runs = everything[everything["tags.stage"] == "train"]
     assert len(runs) == 8 and runs["metrics.test_mse"].notna().all()
+    assert (runs["tags.mlflow.parentRunId"] == parent).all(), "the probes nest under one train run"
+    assert [a.path for a in client.list_artifacts(parent)] == ["probe-variants.png"]
+    assert (tmp / "plots" / "probe-variants.png").is_file()
     trained_runs = runs[runs["tags.variant"] != "random"]
     assert trained_runs["metrics.val_mse"].notna().all(), "per-epoch validation MSE must be logged"
     assert trained_runs["metrics.train_mse"].notna().all(), "per-epoch training MSE must be logged"
@@ -258,7 +269,7 @@ def test_per_domain_probes_train_register_and_load(stages, tmp_path, monkeypatch
     assert set(pins) == {f"{r}-{k}" for r in ("draft", "target") for k in res["draft"]}
     client = mlflow.MlflowClient()
     mv = client.get_model_version_by_alias("semspec-tiny-target-all-science", "champion")
-    assert mv.tags["domain"] == "science" and mv.tags["feature"] == "all"
+    assert mv.tags["domain"] == "science" and mv.tags["variant"] == "all"
     runs = mlflow.search_runs(experiment_names=["semspec-tiny"])
     runs = runs[runs["tags.role"] == "draft"]
     per_domain = runs.groupby("params.domain")[["params.n_train", "params.n_val", "params.n_test"]].first()
@@ -453,6 +464,16 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
     runs = mlflow.search_runs(experiment_names=["semspec-tiny"], filter_string="tags.stage = 'evaluate'")
     assert sorted(runs["tags.mlflow.runName"]) == sorted(f"eval-{x}" for x in labels)
     assert runs["metrics.arith_pass_at_1"].notna().all() and runs["metrics.arith_tps"].notna().all()
+    parents = mlflow.search_runs(
+        experiment_names=["semspec-tiny"], filter_string="tags.stage = 'evaluate-summary'"
+    )
+    parent = parents["run_id"].iloc[0]  # the latest evaluation: its methods nest under it, plots once
+    assert set(runs["tags.mlflow.parentRunId"]) == {parent}
+    client = mlflow.MlflowClient()
+    assert sorted(a.path for a in client.list_artifacts(parent, "plots")) == sorted(
+        f"plots/{p}" for p in ("pass_vs_latency-arith.png", "tps.png", "acceptance_vs_ratio.png")
+    )
+    assert all(not client.list_artifacts(r) for r in runs["run_id"]), "no plot copied into each method run"
 
 
 def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
