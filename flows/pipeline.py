@@ -20,7 +20,7 @@ from prefect.flows import EntrypointType
 from prefect.schedules import Cron
 
 from semspec.flows.report import compare_url, experiment_url, mlflow_runs, pair_report
-from semspec.flows.stages import StageRequest, run_stage, stage_option
+from semspec.flows.stages import StageRequest, run_stage, stage_line_logger, stage_option
 from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import load_lm
 from semspec.models.names import PROBE_METHOD, ROLES, SMOKE_STAGE, STAGES
@@ -40,7 +40,7 @@ SMOKE_QUESTION = "Tom has 3 boxes with 4 apples in each box. He eats 2 apples. H
 def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force: bool) -> dict[str, Any]:
     """One pipeline stage (``dvc repro`` or its ``dvc.yaml`` command), output streamed to the run log."""
     logger = get_run_logger()
-    run = run_stage(StageRequest(stage, pair, profile, tuple(overrides), force), on_line=logger.info)
+    run = run_stage(StageRequest(stage, pair, profile, tuple(overrides), force), stage_line_logger(logger))
     logger.info(
         "%s[%s]: %s in %.1fs (%s)",
         stage,
@@ -81,6 +81,8 @@ def decode_smoke(
         "acceptance": res.acceptance_rate,
         "answer": res.answer,
         "text": res.text,
+        "trace": [{"author": st.author, "text": st.text} for st in res.steps],
+        "seconds": round(res.timings.total, 1),
     }
     logger.info("decode smoke[%s]: %s", pair, {k: v for k, v in summary.items() if k != "text"})
     return summary
@@ -131,12 +133,21 @@ def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: d
         f"| {r['stage']} | {r['mode']} | {'up to date' if r['skipped'] else 'ran'} | {r['seconds']:.1f} |"
         for r in runs
     ]
+    if smoke:
+        lines.append(f"| {SMOKE_STAGE} | registry | ran | {smoke.get('seconds', 0):.1f} |")
     md = [pair_report(pair, profile), "## Stages", "\n".join(lines)]
     if smoke:
+        answer = f"`{smoke['answer']}`" if smoke["answer"] is not None else "none within the smoke budget"
+        trace = "\n".join(
+            f"{i}. {'draft, accepted' if st['author'] == 'draft' else 'target, rewritten'}: "
+            f"`{' '.join(st['text'].split())[:120]}`"
+            for i, st in enumerate(smoke.get("trace", []), 1)
+        )
         md += [
             "## Decode smoke test (registered champion probes)",
             f"{smoke['question']}\n\nprobe `{smoke['probe']}`: {smoke['steps']} steps, "
-            f"{smoke['output_tokens']} tokens, target share {smoke['target_share']}, answer `{smoke['answer']}`",
+            f"{smoke['output_tokens']} tokens, target share {smoke['target_share']}, answer {answer}",
+            "Steps:\n\n" + trace,
         ]
     compare = compare_url(pair)
     if compare:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -139,6 +140,48 @@ def stage_env() -> dict[str, str]:
     env.setdefault("TQDM_MININTERVAL", "15")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_NOISE = (  # repeated per stage, or said better elsewhere
+    "git add dvc.lock",
+    "dvc push",
+    "To track the changes with git",
+    "To enable auto staging",
+)
+_LEVELS = (
+    (re.compile(r"\b(ERROR|CRITICAL|Traceback \(most recent call last\))|^\w*Error:"), logging.ERROR),
+    (re.compile(r"\b(WARNING|Warning:|\w+Warning\b)"), logging.WARNING),
+)
+
+
+def clean_line(message: str) -> str | None:
+    """A line of stage output as a log shows it: ANSI codes removed, only the last redraw of a progress
+    bar, DVC's per-stage git hints dropped (None)."""
+    text = _ANSI.sub("", message).split("\r")[-1].rstrip()
+    if not text.strip() or any(n in text for n in _NOISE):
+        return None
+    return text
+
+
+def line_level(text: str) -> int:
+    """The log level a line of stage output reads as (errors and warnings keep theirs; the rest INFO)."""
+    return next((level for pattern, level in _LEVELS if pattern.search(text)), logging.INFO)
+
+
+def stage_line_logger(logger: Any) -> Callable[[str], None]:
+    """``on_line`` for ``run_stage``: each line cleaned (``clean_line``), logged at its own level, a line
+    repeated within the last few (libraries that print to both streams) logged once."""
+    recent: deque[str] = deque(maxlen=20)
+
+    def emit(line: str) -> None:
+        text = clean_line(line)
+        if text is None or text in recent:
+            return
+        recent.append(text)
+        logger.log(line_level(text), "%s", text)
+
+    return emit
 
 
 def stream_process(argv: list[str], cwd: Path, env: dict[str, str], on_line: Callable[[str], None]) -> int:

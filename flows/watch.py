@@ -5,7 +5,6 @@ needs (the flow run in Prefect, the probe comparison in MLflow)."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from contextlib import suppress
 from uuid import UUID
@@ -17,23 +16,7 @@ from prefect.flow_runs import wait_for_flow_run
 from prefect.logging.clients import get_logs_subscriber
 
 from semspec.flows.env import service_urls
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_NOISE = (  # repeated per stage, or said better elsewhere
-    "git add dvc.lock",
-    "dvc push",
-    "To track the changes with git",
-    "To enable auto staging",
-)
-
-
-def clean_line(message: str) -> str | None:
-    """A log message as the terminal shows it: ANSI codes removed, the last redraw of a progress bar,
-    DVC's per-stage git hints dropped (None)."""
-    text = _ANSI.sub("", message).split("\r")[-1].rstrip()
-    if not text.strip() or any(n in text for n in _NOISE):
-        return None
-    return text
+from semspec.flows.stages import clean_line
 
 
 def flow_run_url(flow_run_id: UUID | str) -> str:

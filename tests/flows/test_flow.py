@@ -29,7 +29,7 @@ def recorded(monkeypatch, tmp_path, harness):
         return StageRun(req.stage, req.pair, "direct", False, 0.01, f"semspec {req.stage}")
 
     @task(name="decode-smoke")
-    def fake_smoke(pair: str, variant: str, max_new_tokens: int = 48):
+    def fake_smoke(pair: str, variant: str, split_strategy: str = "paragraph", max_new_tokens: int = 48):
         calls.append(("decode", pair, variant))
         return {
             "question": "q",
@@ -37,7 +37,9 @@ def recorded(monkeypatch, tmp_path, harness):
             "steps": 2,
             "output_tokens": 9,
             "target_share": 0.5,
-            "answer": "7",
+            "answer": None,
+            "trace": [{"author": "draft", "text": "2 + 2 = 4."}, {"author": "target", "text": "So 7."}],
+            "seconds": 1.5,
         }
 
     monkeypatch.setattr(pipeline, "run_stage", fake_run_stage)
@@ -74,26 +76,30 @@ def test_retrain_runs_only_the_pairs_that_need_it(recorded, monkeypatch):
     monkeypatch.setattr(
         pipeline,
         "pair_statuses",
-        lambda params: {
+        lambda params, eval_metrics=None: {
             "embedded": None,
             "fresh": "no champion probe semspec-fresh-draft-last",
             "edited": "config changed: ...",
+            "unevaluated": "not evaluated: no finished evaluation",
             "big": "unavailable: needs a CUDA device",
             "broken": "invalid: missing field",
         },
     )
     out = pipeline.semspec(profile="tiny", retrain=True)
-    assert sorted(out) == ["edited", "fresh"]
+    assert sorted(out) == ["_skipped", "edited", "fresh", "unevaluated"]
+    assert out["_skipped"] == {"big": "unavailable: needs a CUDA device", "broken": "invalid: missing field"}
     ran = [c for c in recorded if c[0] != "decode"]
-    assert {c[1] for c in ran} == {"edited", "fresh"}
+    assert {c[1] for c in ran} == {"edited", "fresh", "unevaluated"}
     assert all(c[4] is True for c in ran)  # forced: the registry, not DVC, said they are stale
     assert [c[0] for c in ran if c[1] == "fresh"] == ["ingest", "sample", "cluster", "train", "evaluate"]
+    assert [c[0] for c in ran if c[1] == "unevaluated"] == ["evaluate"]  # its probes are current
     assert not any(c[0] == "decode" for c in recorded)  # params.yaml's retrain.stages
 
 
 def test_report_artifact_holds_the_stage_table(recorded):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     pipeline.semspec(pair="embedded", profile="tiny", stages=["ingest"])
     with get_client(sync_client=True) as client:
@@ -104,6 +110,14 @@ def test_report_artifact_holds_the_stage_table(recorded):
     assert (
         "| ingest | direct | ran |" in arts[0].data and "# semspec: embedded (tiny profile)" in arts[0].data
     )
+    pipeline.semspec(pair="embedded", profile="tiny", stages=["decode"])
+    with get_client(sync_client=True) as client:
+        data = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["semspec-embedded"])),
+            sort=ArtifactSort.CREATED_DESC,
+        )[0].data
+    assert "| decode | registry | ran | 1.5 |" in data and "answer none within the smoke budget" in data
+    assert "1. draft, accepted: `2 + 2 = 4.`" in data and "2. target, rewritten: `So 7.`" in data
 
 
 def test_deployments_full_and_retrain_on_the_configured_cron():
@@ -116,7 +130,9 @@ def test_deployments_full_and_retrain_on_the_configured_cron():
 
 
 def test_one_failing_pair_does_not_stop_the_retrain_of_the_others(recorded, monkeypatch):
-    monkeypatch.setattr(pipeline, "pair_statuses", lambda params: {"a": "no champion", "b": "no champion"})
+    monkeypatch.setattr(
+        pipeline, "pair_statuses", lambda params, eval_metrics=None: {"a": "no champion", "b": "no champion"}
+    )
     real = pipeline.run_stage
 
     def failing(req, on_line):

@@ -6,7 +6,8 @@ import json
 from urllib.parse import unquote
 
 from semspec.flows.report import compare_url
-from semspec.flows.watch import clean_line, flow_run_url
+from semspec.flows.stages import clean_line
+from semspec.flows.watch import flow_run_url
 
 
 def test_log_lines_lose_ansi_codes_redraws_and_dvc_hints():
@@ -39,3 +40,36 @@ def test_compare_url_names_the_latest_probe_run_of_each_variant(tmp_path, monkey
     runs = json.loads(unquote(url.split("runs=")[1].split("&")[0]))
     assert sorted(runs) == sorted([ids["probe-draft-all"], ids["probe-draft-random"]])
     assert json.loads(unquote(url.split("experiments=")[1])) == [exp]
+
+
+def test_stage_output_is_logged_at_its_level_once_and_clean():
+    import logging
+
+    from semspec.flows.stages import stage_line_logger
+
+    got = []
+
+    class Logger:
+        def log(self, level, fmt, text):
+            got.append((level, text))
+
+    emit = stage_line_logger(Logger())
+    for line in [
+        "\x1b[33mWARNING\x1b[0m mlflow: something old",
+        "GPU available: False, used: False",
+        "GPU available: False, used: False",  # Lightning prints it twice
+        "Traceback (most recent call last):",
+        "ValueError: bad input",
+        "  /x.py:3: FutureWarning: deprecated",
+        "To track the changes with git, run:",
+        "sample:  50%|##   | 4/8 [00:10<00:10, 2.5s/prefix]",
+    ]:
+        emit(line)
+    assert got == [
+        (logging.WARNING, "WARNING mlflow: something old"),
+        (logging.INFO, "GPU available: False, used: False"),
+        (logging.ERROR, "Traceback (most recent call last):"),
+        (logging.ERROR, "ValueError: bad input"),
+        (logging.WARNING, "  /x.py:3: FutureWarning: deprecated"),
+        (logging.INFO, "sample:  50%|##   | 4/8 [00:10<00:10, 2.5s/prefix]"),
+    ]
