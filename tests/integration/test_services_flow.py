@@ -18,6 +18,7 @@ from tests.helpers.project import copy_project, free_port, project_environ
 
 pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]
 CHAMPION = {"name": "semspec-embedded-target-all", "alias": "champion"}
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshots, kept after the run
 
 
 class Project:
@@ -134,6 +135,41 @@ def test_full_deployment_runs_the_pipeline_and_records_it_in_dvc(project):
     assert "## Decode smoke test (registered champion probes)" in report and "probe-target-all" in report
     assert "Data and pipelines are up to date" in project.run("dvc", "status").stdout
     assert (project.root / "dvc.lock").is_file()
+
+
+@pytest.mark.browser
+def test_the_printed_compare_link_shows_the_probe_variants_in_a_browser(project):
+    """Open the link `semspec report` prints in headless Chromium: the MLflow UI compares the four probe
+    variants of both roles with their test metrics. The screenshot is kept in test-artifacts/."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver_bin, "install Debian's chromium and chromium-driver (.ci/run does)"
+    link = re.search(r"Compare the probes \(MLflow\): (\S+)", project.run("semspec", "report").stdout)
+    assert link, "the report prints the compare link"
+    opts = Options()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1300"):
+        opts.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver_bin), options=opts)
+    try:
+        browser.get(link.group(1))
+        WebDriverWait(browser, 120).until(lambda b: "probe-target-all" in b.page_source)
+        WebDriverWait(browser, 60).until(lambda b: "test_mse" in b.page_source)
+        html = browser.page_source
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "mlflow-compare-probes.png"))
+    finally:
+        browser.quit()
+    for role in ("draft", "target"):
+        for variant in ("last", "all", "mix", "random"):
+            assert f"probe-{role}-{variant}" in html
+    assert "test_n" in html and "eval-" not in html, "probes only, with their test metrics"
 
 
 def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
