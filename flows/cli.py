@@ -571,6 +571,29 @@ def run(
 
 
 @app.command()
+def register(
+    pair: PairOverride = None,
+    profile: ProfileOpt = None,
+    probes: Annotated[
+        str | None, typer.Option(help="The train stage's output folder (default: dvc.yaml's for the pair).")
+    ] = None,
+) -> None:
+    """Register the probes a train run kept locally because MLflow became unreachable (no retraining),
+    then write the train stage's outputs."""
+    from semspec.flows.stages import stage_option
+    from semspec.tasks.config import load_params
+    from semspec.tasks.train import register_pending
+
+    params = _or_exit(load_params, None, profile, None)
+    name = pair or params.pair
+    folder = Path(probes) if probes else _or_exit(stage_option, "train", "out", name, params.profile)
+    metrics = _or_exit(register_pending, folder)
+    n = sum(len(v) for v in metrics.values())
+    typer.echo(f"{name}: every probe registered ({n} in {folder / 'probes.json'})")
+    typer.echo("record the train stage in DVC without retraining: dvc commit -f train")
+
+
+@app.command()
 def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
     """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs, with one
     link that compares the probe variants in MLflow."""

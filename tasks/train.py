@@ -7,6 +7,7 @@ Train/validation/test splits are made **by question**: no prefix of a test quest
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -20,6 +21,7 @@ import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from mlflow.exceptions import MlflowException
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 from torch import nn
@@ -331,15 +333,52 @@ def run_train(
     run = _Run(cfg, pair, plots_dir, git_commit(), fingerprint or {})
     all_metrics: dict[str, Any] = {}
     pointers: dict[str, dict[str, Any]] = {}
+    pending: list[dict[str, Any]] = []  # probes trained while MLflow was unreachable, kept locally
     parent_tags = {"stage": TRAIN_PARENT, "pair": pair.name, "git_commit": run.commit, **run.fingerprint}
-    with mlflow.start_run(run_name=f"train-{pair.name}", tags=parent_tags):  # the probes nest under it
-        _train_roles(run, roles, samples_dir, labels_dir, all_metrics, pointers)
-        fig = variant_figure(all_metrics, pair.name)
-        save_figure_atomic(fig, plots_dir / "probe-variants.png")
-        mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
-    write_json_atomic(all_metrics, metrics_path)
-    write_json_atomic({"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir / POINTERS_FILE)
+    try:
+        with mlflow.start_run(run_name=f"train-{pair.name}", tags=parent_tags):  # the probes nest under it
+            _train_roles(run, roles, samples_dir, labels_dir, all_metrics, pointers, pending, out_dir)
+            if not pending:
+                fig = variant_figure(all_metrics, pair.name)
+                save_figure_atomic(fig, plots_dir / "probe-variants.png")
+                mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
+    except TRACKING_ERRORS as e:
+        if not pending:
+            raise
+        log.warning("train: MLflow unreachable while closing the run: %s", e)
+    if pending:
+        write_json_atomic(
+            {
+                "pair": pair.name,
+                "params": asdict(cfg),
+                "roles": roles,
+                "registered": pointers,
+                "pending": pending,
+                "metrics": all_metrics,
+                "metrics_path": str(metrics_path),
+                "plots_dir": str(plots_dir),
+            },
+            out_dir / PENDING_FILE,
+        )
+        raise ValueError(
+            f"train: MLflow became unreachable; {len(pending)} trained probe(s) are kept in "
+            f"{out_dir / PENDING_DIR} ({len(pointers)} were registered before). Once MLflow is back, register "
+            f"them without retraining: semspec register --pair {pair.name} --probes {out_dir}"
+        )
+    _finish(all_metrics, metrics_path, {"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir)
     return all_metrics
+
+
+PENDING_FILE = "pending.json"  # in the train out folder: probes trained but not registered yet
+PENDING_DIR = "pending"  # their weights, one folder per probe
+# what a tracking server that went away raises (MLflow wraps HTTP failures in MlflowException)
+TRACKING_ERRORS = (MlflowException, ConnectionError, TimeoutError)
+
+
+def _finish(metrics: dict[str, Any], metrics_path: Path, pointers: dict[str, Any], out_dir: Path) -> None:
+    """Write the test metrics and the registered probes' pointers (the train stage's outputs)."""
+    write_json_atomic(metrics, metrics_path)
+    write_json_atomic(pointers, out_dir / POINTERS_FILE)
 
 
 TRAIN_PARENT = "train-summary"  # the stage tag of the run that groups one train stage's probe runs
@@ -352,9 +391,12 @@ def _train_roles(
     labels_dir: Path,
     all_metrics: dict[str, Any],
     pointers: dict[str, dict[str, Any]],
+    pending: list[dict[str, Any]],
+    out_dir: Path,
 ) -> None:
     """Every (role, domain, variant) probe, each in a nested MLflow run; fills ``all_metrics`` and
-    ``pointers``."""
+    ``pointers``. Once MLflow cannot be reached, every probe (the one in flight included) is still
+    trained and tested, and kept under ``out_dir/pending`` (listed in ``pending``) to register later."""
     cfg = run.cfg
     for role in roles:
         labels_path = labels_dir / f"{role}.parquet"
@@ -372,10 +414,17 @@ def _train_roles(
         for domain, (part, masks) in parts.items():
             for variant in cfg.variants:
                 key = probe_key(variant, domain)
-                metrics, ref = _train_probe(run, part, masks, hashes, role, key)
-                all_metrics[role][key] = metrics
-                pointers[f"{role}-{key}"] = asdict(ref)
-                log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
+                trained = _Trained(run, part, masks, hashes, role, key)
+                if not pending:
+                    try:
+                        metrics, ref = _track_probe(trained)
+                        all_metrics[role][key] = metrics
+                        pointers[f"{role}-{key}"] = asdict(ref)
+                        log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
+                        continue
+                    except TRACKING_ERRORS as e:
+                        log.error("train: MLflow unreachable (%s): the probes are kept locally", e)
+                all_metrics[role][key] = trained.keep(out_dir / PENDING_DIR, pending)
 
 
 def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):
@@ -408,59 +457,178 @@ def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: st
     return fig
 
 
-def _train_probe(
-    run: _Run, data: ProbeData, masks: dict[str, np.ndarray], hashes: dict[str, str], role: str, key: str
-) -> tuple[dict[str, float], ProbeRef]:
-    """One probe (``key``: its variant, ``@domain`` for one domain's) in its own MLflow run: log its
-    params, fit it, test it, plot its calibration, store and register it. Returns its test metrics and
-    where it is stored."""
-    cfg, pair = run.cfg, run.pair
-    variant, domain = split_probe_key(key)
-    domain = domain or ALL_DOMAINS
-    tags = {
-        "stage": "train",
-        "pair": pair.name,
-        "role": role,
-        "variant": variant,
-        "domain": domain,
-        "model_id": data.model_id,
-        "git_commit": run.commit,
-        **run.fingerprint,
-    }
-    with mlflow.start_run(run_name=f"probe-{role}-{key}", tags=tags, nested=True):
-        mlflow.log_params({**_probe_params(cfg, pair, role, variant, hashes, masks), "domain": domain})
-        probe = fit_probe(data, variant, role, masks, cfg, log_epochs=True)
-        te = masks["test"]
-        pred = predict(probe, data.x[variant][te])
-        metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
-        mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if np.isfinite(v)})
-        fig = calibration_figure(pred, data.y[te], f"{pair.name} {role} {key}")
-        run.plots_dir.mkdir(parents=True, exist_ok=True)
-        save_figure_atomic(fig, run.plots_dir / f"calibration-{role}-{key}.png")
-        mlflow.log_figure(fig, "calibration.png")
-        # the same names and values as the run's params, plus the test metrics, on every version
-        version_tags = {
-            "model_id": data.model_id,
-            "hidden_size": str(data.hidden_size),
-            "variant": variant,
-            "feature": FEATURE_COLUMN.get(variant, "none"),
-            "domain": domain,
-            "pair": pair.name,
-            "role": role,
+class _Trained:
+    """One probe (``key``: its variant, ``@domain`` for one domain's): fitted on first use, tested, its
+    calibration plotted; tracked in MLflow by ``_track_probe`` or kept locally by ``keep``."""
+
+    def __init__(
+        self,
+        run: _Run,
+        data: ProbeData,
+        masks: dict[str, np.ndarray],
+        hashes: dict[str, str],
+        role: str,
+        key: str,
+    ) -> None:
+        self.run, self.data, self.masks, self.hashes, self.role, self.key = (
+            run,
+            data,
+            masks,
+            hashes,
+            role,
+            key,
+        )
+        self.variant, domain = split_probe_key(key)
+        self.domain = domain or ALL_DOMAINS
+        self.probe: nn.Module | None = None
+        self.metrics: dict[str, float] = {}
+
+    def fit(self, log_epochs: bool) -> None:
+        """Fit (once), test on the held-out questions and save the calibration plot."""
+        if self.probe is not None:
+            return
+        run, data, te = self.run, self.data, self.masks["test"]
+        self.probe = fit_probe(data, self.variant, self.role, self.masks, run.cfg, log_epochs=log_epochs)
+        pred = predict(self.probe, data.x[self.variant][te])
+        self.metrics = probe_metrics(pred, data.y[te], data.in_largest[te])
+        self.figure = calibration_figure(pred, data.y[te], f"{run.pair.name} {self.role} {self.key}")
+        self.plot = save_figure_atomic(self.figure, run.plots_dir / f"calibration-{self.role}-{self.key}.png")
+
+    def run_tags(self) -> dict[str, str]:
+        run = self.run
+        return {
+            "stage": "train",
+            "pair": run.pair.name,
+            "role": self.role,
+            "variant": self.variant,
+            "domain": self.domain,
+            "model_id": self.data.model_id,
             "git_commit": run.commit,
-            "samples_hash": hashes["samples"],
-            "labels_hash": hashes["labels"],
-            **{f"test_{k}": f"{v:.4g}" for k, v in metrics.items() if np.isfinite(v)},
             **run.fingerprint,
         }
+
+    def params(self) -> dict[str, Any]:
+        run = self.run
+        return {
+            **_probe_params(run.cfg, run.pair, self.role, self.variant, self.hashes, self.masks),
+            "domain": self.domain,
+        }
+
+    def version_tags(self) -> dict[str, str]:
+        """The same names and values as the run's params, plus the test metrics."""
+        run = self.run
+        return {
+            "model_id": self.data.model_id,
+            "hidden_size": str(self.data.hidden_size),
+            "variant": self.variant,
+            "feature": FEATURE_COLUMN.get(self.variant, "none"),
+            "domain": self.domain,
+            "pair": run.pair.name,
+            "role": self.role,
+            "git_commit": run.commit,
+            "samples_hash": self.hashes["samples"],
+            "labels_hash": self.hashes["labels"],
+            **{f"test_{k}": f"{v:.4g}" for k, v in self.metrics.items() if np.isfinite(v)},
+            **run.fingerprint,
+        }
+
+    def keep(self, folder: Path, pending: list[dict[str, Any]]) -> dict[str, float]:
+        """Save the probe under ``folder/<role>-<key>`` and list what registering it needs in ``pending``;
+        returns its test metrics."""
+        self.fit(log_epochs=False)
+        where = folder / f"{self.role}-{self.key}"
+        save_probe(self.probe, where)
+        pending.append(
+            {
+                "role": self.role,
+                "key": self.key,
+                "folder": str(where),
+                "run_name": f"probe-{self.role}-{self.key}",
+                "run_tags": self.run_tags(),
+                "params": self.params(),
+                "metrics": {f"test_{k}": v for k, v in self.metrics.items() if np.isfinite(v)},
+                "version_tags": self.version_tags(),
+                "description": _description(self.run.pair, self.role, self.key),
+                "plot": str(self.plot),
+            }
+        )
+        log.info("train[%s/%s] kept in %s: %s", self.role, self.key, where, self.metrics)
+        return dict(self.metrics)
+
+
+def _track_probe(t: _Trained) -> tuple[dict[str, float], ProbeRef]:
+    """The probe in its own nested MLflow run: its params, the per-epoch MSE while it fits, its test
+    metrics and calibration plot; stored as run artifacts and registered. Returns its test metrics and
+    where it is stored."""
+    cfg, pair = t.run.cfg, t.run.pair
+    with mlflow.start_run(run_name=f"probe-{t.role}-{t.key}", tags=t.run_tags(), nested=True):
+        mlflow.log_params(t.params())
+        t.fit(log_epochs=True)
+        mlflow.log_metrics({f"test_{k}": v for k, v in t.metrics.items() if np.isfinite(v)})
+        mlflow.log_figure(t.figure, "calibration.png")
         with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
-            save_probe(probe, Path(tmp))
+            save_probe(t.probe, Path(tmp))
             ref = register_probe(
-                Path(tmp), pair.name, role, key, version_tags, cfg.register, _description(pair, role, key)
+                Path(tmp),
+                pair.name,
+                t.role,
+                t.key,
+                t.version_tags(),
+                cfg.register,
+                _description(pair, t.role, t.key),
             )
+    metrics = dict(t.metrics)
     if ref.version is not None:
         metrics["registered_version"] = int(ref.version)
     return metrics, ref
+
+
+def register_pending(out_dir: Path, register: bool = True) -> dict[str, Any]:
+    """Register the probes a train run kept in ``out_dir`` while MLflow was unreachable (no retraining):
+    each gets its MLflow run (params, test metrics, calibration plot) and registry version as if it had
+    been registered then; then the stage's outputs (test metrics, ``probes.json``) are written and the
+    local copies removed. Returns the test metrics."""
+    path = out_dir / PENDING_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: no probe is waiting to be registered")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    check_tracking()
+    pair, pointers, metrics = record["pair"], dict(record["registered"]), record["metrics"]
+    setup_experiment(pair)
+    with mlflow.start_run(
+        run_name=f"train-{pair}-registered-later", tags={"stage": TRAIN_PARENT, "pair": pair}
+    ):
+        for p in record["pending"]:
+            with mlflow.start_run(run_name=p["run_name"], tags=p["run_tags"], nested=True):
+                mlflow.log_params(p["params"])
+                mlflow.log_metrics(p["metrics"])
+                if Path(p["plot"]).is_file():
+                    mlflow.log_artifact(p["plot"])
+                ref = register_probe(
+                    Path(p["folder"]),
+                    pair,
+                    p["role"],
+                    p["key"],
+                    p["version_tags"],
+                    register,
+                    p["description"],
+                )
+            pointers[f"{p['role']}-{p['key']}"] = asdict(ref)
+            if ref.version is not None:
+                metrics[p["role"]][p["key"]]["registered_version"] = int(ref.version)
+        fig = variant_figure(metrics, pair)
+        save_figure_atomic(fig, Path(record["plots_dir"]) / "probe-variants.png")
+        mlflow.log_figure(fig, "probe-variants.png")
+    _finish(
+        metrics,
+        Path(record["metrics_path"]),
+        {**{k: record[k] for k in ("params", "roles")}, "probes": pointers},
+        out_dir,
+    )
+    shutil.rmtree(out_dir / PENDING_DIR, ignore_errors=True)
+    path.unlink()
+    log.info("registered %d kept probe(s) of %s", len(record["pending"]), pair)
+    return metrics
 
 
 def _description(pair: PairConfig, role: str, key: str) -> str:

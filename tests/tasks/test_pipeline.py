@@ -641,3 +641,47 @@ def test_status_says_not_evaluated_until_an_evaluation_of_the_champions_finishes
     todo, skipped = retrain_plan(statuses, ["ingest", "sample", "train", "evaluate", "decode"])
     assert todo == {"b": ["evaluate", "decode"], "c": ["ingest", "sample", "train", "evaluate", "decode"]}
     assert skipped == {"d": "unavailable: no GPU"}
+
+
+def test_mlflow_lost_mid_train_keeps_the_probes_and_registers_them_later(stages, tmp_path, monkeypatch):
+    """MLflow goes away after two of four probes: every probe is still trained and tested, the other two
+    are kept locally with what registering them needs, the error gives the one command; that command
+    registers them (no retraining) and writes the stage's outputs."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    import semspec.tasks.train as T
+    from semspec.tasks.config import TrainConfig
+    from semspec.tasks.probe_registry import read_pointers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    monkeypatch.setenv("SEMSPEC_MLFLOW_ARTIFACTS", str(tmp_path / "mlartifacts"))
+    real, calls = T.register_probe, []
+
+    def flaky(*args, **kw):
+        calls.append(args[3])
+        if len(calls) > 2:
+            raise MlflowException("API request to http://127.0.0.1:5000 failed: Connection refused")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(T, "register_probe", flaky)
+    src, out = stages["tmp"], tmp_path / "probes"
+    cfg = TrainConfig(variants=["all", "random"], max_epochs=2, batch_size=16)
+    args = (stages["pair"], src / "samples", src / "labels", out, tmp_path / "m.json", tmp_path / "plots")
+    with pytest.raises(ValueError, match=r"2 trained probe\(s\) are kept .*semspec register --pair tiny"):
+        T.run_train(cfg, *args)
+    assert len(calls) == 3, "no registration is tried once MLflow is gone"
+    assert not (out / "probes.json").exists() and not (tmp_path / "m.json").exists()
+    kept = json.loads((out / "pending.json").read_text())["pending"]
+    assert [(p["role"], p["key"]) for p in kept] == [("target", "all"), ("target", "random")]
+    assert all((Path(p["folder"]) / "probe.safetensors").is_file() for p in kept)
+
+    monkeypatch.setattr(T, "register_probe", real)
+    metrics = T.register_pending(out)
+    pins = read_pointers(out)
+    assert set(pins) == {"draft-all", "draft-random", "target-all", "target-random"}
+    mv = mlflow.MlflowClient().get_model_version_by_alias("semspec-tiny-target-all", "champion")
+    assert str(mv.version) == pins["target-all"] and mv.tags["variant"] == "all"
+    assert float(mv.tags["test_mse"]) == pytest.approx(metrics["target"]["all"]["mse"], rel=1e-3)
+    assert json.loads((tmp_path / "m.json").read_text())["target"]["random"]["registered_version"] >= 1
+    assert not (out / "pending").exists() and not (out / "pending.json").exists()
