@@ -80,6 +80,11 @@ class SampleConfig:
         _positive(
             "sample", n=self.n, batch_prefixes=self.batch_prefixes, actors_per_role=self.actors_per_role
         )
+        if self.n < 2:
+            raise ValueError(
+                f"sample: field 'n' must be at least 2: a step's semantic probability is the share of the N "
+                f"samples of its prefix that mean the same (paper: 20), got {self.n}"
+            )
         if self.max_step_tokens is not None:
             _positive("sample", max_step_tokens=self.max_step_tokens)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -162,6 +167,13 @@ class TrainConfig:
             )
         if len(self.betas) != 2:
             raise ValueError(f"train: field 'betas' must have two values, got {self.betas!r}")
+        for name in ("hidden_target", "hidden_draft"):
+            widths = getattr(self, name)
+            if not isinstance(widths, list) or any(not isinstance(w, int) or w < 1 for w in widths):
+                raise ValueError(
+                    f"train: field {name!r} lists the probe's hidden widths, positive integers such as "
+                    f"[512, 256], got {widths!r}"
+                )
 
     def hidden(self, role: str) -> list[int]:
         """Hidden widths of the probe for ``role``."""

@@ -44,6 +44,9 @@ def test_profiles_and_overrides():
     "override, msg",
     [
         ("sample.n=0", "'n'"),
+        ("sample.n=1", "'n' must be at least 2"),
+        ("train.hidden_target=[0]", "hidden_target"),
+        ("train.hidden_draft=[64, -1]", "hidden_draft"),
         ("sample.max_step_tokens=0", "max_step_tokens"),
         ("sample.top_p=1.5", "top_p"),
         ("sample.roles=[judge]", "roles"),
