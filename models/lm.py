@@ -187,6 +187,20 @@ class LM:
         self.load_seconds: float = 0.0
         # an empty cache of this model's layer types, built once: its sliding windows bound padded batches
         self._layout = DynamicCache(config=model.config)
+        self._check_delimiter()
+        window = getattr(text_cfg, "max_position_embeddings", None)
+        self.context_window: int | None = int(window) if window else None  # positions the model was built for
+
+    def _check_delimiter(self) -> None:
+        """The step delimiter must survive this tokenizer (encoded, then decoded); otherwise no step
+        would ever end at it and every step would run to its token budget."""
+        mark = self.spec.delimiter if self.spec.split == "paragraph" else ". "
+        ids = self.tokenizer.encode(f"a{mark}b", add_special_tokens=False)
+        if mark not in self.tokenizer.decode(ids, skip_special_tokens=True):
+            raise ValueError(
+                f"{self.spec.model_id}: its tokenizer cannot write the step delimiter {mark!r} (it does not "
+                f"survive encoding and decoding); set another `delimiter` in the pair file"
+            )
 
     @property
     def model_id(self) -> str:
@@ -366,6 +380,12 @@ class LM:
         ids = [self.encode(text) for text in texts]
         if any(not row for row in ids):
             raise ValueError("cannot prefill an empty context")
+        for row in ids:
+            if self.context_window is not None and len(row) >= self.context_window:
+                raise ValueError(  # refused, never silently cut: the start of a question matters
+                    f"{self.model_id}: the prompt is {len(row)} tokens and the model's context holds "
+                    f"{self.context_window}; shorten the question (it is not truncated)"
+                )
         outs = self.forward_rows([None] * len(texts), ids)
         return [
             LMState(text, row, cache, logits[-1], hidden[-1])

@@ -150,3 +150,15 @@ def test_encode_adds_bos_once():
     ids = lm.encode("ab")
     assert ids[0] == lm.tokenizer.bos_token_id and ids.count(lm.tokenizer.bos_token_id) == 1
     assert lm.encode("<s>ab") == ids
+
+
+def test_a_prompt_longer_than_the_context_is_refused_not_cut():
+    lm = tiny_lm()  # max_position_embeddings 512
+    with pytest.raises(ValueError, match=r"the prompt is \d+ tokens and the model's context holds 512"):
+        lm.prefill("x" * 600)
+    assert lm.prefill("x" * 100).ids  # a prompt that fits is cached
+
+
+def test_a_delimiter_the_tokenizer_cannot_write_is_refused():
+    with pytest.raises(ValueError, match=r"cannot write the step delimiter '¶¶'"):
+        tiny_lm(delimiter="¶¶")  # not in the character vocabulary: it decodes to nothing
