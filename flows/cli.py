@@ -623,6 +623,32 @@ def pairs_status(profile: ProfileOpt = None) -> None:
         typer.echo(f"{name}: {why or 'up to date'}")
 
 
+@pairs_app.command("prune")
+def pairs_prune(
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Delete what is listed (default: only list it).")
+    ] = False,
+) -> None:
+    """List what is kept for pairs whose file is gone from conf/pairs/ (registered probes, MLflow
+    experiments, data/eval/reports folders); delete it with --yes."""
+    from semspec.models.project import project_root
+    from semspec.tasks.retrain import orphans, prune
+
+    root = project_root()
+    found = orphans(root)
+    if not any(found.values()):
+        typer.echo("nothing to prune: every registered probe, experiment and folder belongs to a pair")
+        return
+    for kind, names in found.items():
+        for name in names:
+            typer.echo(f"{kind}: {name}")
+    if not yes:
+        typer.echo("delete these with: semspec pairs prune --yes")
+        return
+    prune(root, found)
+    typer.echo(f"deleted {sum(len(v) for v in found.values())} (experiments go to MLflow's trash)")
+
+
 def _or_exit(fn, *args):
     """Call ``fn``; a ValueError becomes a clean error message and exit code 2."""
     try:

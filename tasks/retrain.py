@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,53 @@ def pair_statuses(params: Any, eval_metrics: Callable[[str], Path] | None = None
         if out[name] is None and eval_metrics is not None and "evaluate" in params.retrain.stages:
             out[name] = evaluation_status(params, cfg, eval_metrics(name))
     return out
+
+
+_REGISTERED_RE = re.compile(r"^semspec-(.+)-(?:draft|target)-(?:random|last|all|mix)(?:-[A-Za-z0-9_.]+)?$")
+OUTPUT_FOLDERS = ("data", "eval", "reports")  # where the stages write data/<pair>/, eval/<pair>/, ...
+
+
+def orphans(root: Path) -> dict[str, list[str]]:
+    """What semspec keeps for pairs whose file is gone from ``conf/pairs/``: registered probe models,
+    MLflow experiments and output folders (``data/<pair>/``, ``eval/<pair>/``, ``reports/<pair>/``, and
+    named runs ``<pair>-<name>``), each listed by name."""
+    pairs = set(list_pairs())
+    client = mlflow.MlflowClient()
+    models = [
+        m.name
+        for m in client.search_registered_models(filter_string="name LIKE 'semspec-%'")
+        if (match := _REGISTERED_RE.match(m.name)) and match.group(1) not in pairs
+    ]
+    experiments = [
+        e.name
+        for e in client.search_experiments(filter_string="name LIKE 'semspec-%'")
+        if e.name.removeprefix("semspec-") not in pairs
+    ]
+    folders = [
+        str(d.relative_to(root))
+        for top in OUTPUT_FOLDERS
+        if (root / top).is_dir()
+        for d in sorted((root / top).iterdir())
+        if d.is_dir() and not d.name.startswith(".") and not _of_a_pair(d.name, pairs)
+    ]
+    return {"registered models": sorted(models), "experiments": sorted(experiments), "folders": folders}
+
+
+def _of_a_pair(name: str, pairs: set[str]) -> bool:
+    """Whether an output folder belongs to a configured pair: its name, or its name and a suffix (a named
+    run such as ``eval/qwen-coder-accuracy``)."""
+    return any(name == p or name.startswith(f"{p}-") for p in pairs)
+
+
+def prune(root: Path, found: dict[str, list[str]]) -> None:
+    """Delete what ``orphans`` found: the registered models, the experiments (MLflow's soft delete: the
+    UI's trash restores them) and the folders."""
+    client = mlflow.MlflowClient()
+    for name in found["registered models"]:
+        client.delete_registered_model(name)
+    for name in found["experiments"]:
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            client.delete_experiment(exp.experiment_id)
+    for folder in found["folders"]:
+        shutil.rmtree(root / folder)

@@ -202,3 +202,42 @@ def test_an_unwritable_output_fails_before_any_work(stage, option, tmp_path, mon
     res = runner.invoke(app, [stage, "--profile", "tiny", option, str(target)])
     assert res.exit_code == 2 and f"{option} {target}: cannot write there" in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_pairs_prune_lists_then_deletes_what_removed_pairs_left(tmp_path, monkeypatch):
+    import mlflow
+
+    (tmp_path / "conf" / "pairs").mkdir(parents=True)
+    (tmp_path / "conf" / "pairs" / "tiny.yaml").write_text("name: tiny\n")
+    monkeypatch.setenv("SEMSPEC_PROJECT_DIR", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    client = mlflow.MlflowClient()
+    for name in (
+        "semspec-tiny-draft-all",
+        "semspec-gone-pair-target-last",
+        "semspec-gone-pair-draft-all-math",
+    ):
+        client.create_registered_model(name)
+    for name in ("semspec-tiny", "semspec-gone-pair"):
+        client.create_experiment(name, artifact_location=str(tmp_path / "art" / name))
+    for folder in ("data/tiny", "data/gone-pair", "eval/tiny-accuracy", "reports/gone-pair"):
+        (tmp_path / folder).mkdir(parents=True)
+    listed = runner.invoke(app, ["pairs", "prune"])
+    assert listed.exit_code == 0 and "semspec pairs prune --yes" in listed.output
+    gone = [
+        "registered models: semspec-gone-pair-draft-all-math",
+        "registered models: semspec-gone-pair-target-last",
+        "experiments: semspec-gone-pair",
+        "folders: data/gone-pair",
+        "folders: reports/gone-pair",
+    ]
+    assert [line for line in listed.output.splitlines() if ": " in line and "prune" not in line] == gone
+    assert (tmp_path / "data" / "gone-pair").is_dir(), "listing deletes nothing"
+    assert runner.invoke(app, ["pairs", "prune", "--yes"]).exit_code == 0
+    assert [m.name for m in client.search_registered_models()] == ["semspec-tiny-draft-all"]
+    assert client.get_experiment_by_name("semspec-gone-pair").lifecycle_stage == "deleted"
+    assert (
+        not (tmp_path / "data" / "gone-pair").exists() and not (tmp_path / "reports" / "gone-pair").exists()
+    )
+    assert (tmp_path / "data" / "tiny").is_dir() and (tmp_path / "eval" / "tiny-accuracy").is_dir()
+    assert "nothing to prune" in runner.invoke(app, ["pairs", "prune"]).output
