@@ -229,7 +229,9 @@ def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble:
         try:
             return str(Path(mod.assemble(out)).parent)
         except FileExistsError:  # a cached file that fails the package's own check: a cut or corrupt copy
-            log.warning("%s is not the file package %s builds: deleting it and assembling it again", out, package)
+            log.warning(
+                "%s is not the file package %s builds: deleting it and assembling it again", out, package
+            )
             out.unlink()
             return str(Path(mod.assemble(out)).parent)
     folder = package_dir(package) / sub
