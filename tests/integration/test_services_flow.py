@@ -19,6 +19,7 @@ from tests.helpers.project import copy_project, free_port, project_environ
 pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]
 CHAMPION = {"name": "semspec-embedded-target-all", "alias": "champion"}
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshots, kept after the run
+FAKE_TOKEN = "hf_semspecFakeToken0123456789abcdef"
 
 
 class Project:
@@ -28,6 +29,7 @@ class Project:
         self.root = root
         self.env = project_environ(root, free_port(), free_port())
         self.env["SEMSPEC_DATA_DIR"] = str(data_dir)
+        self.env["HF_TOKEN"] = FAKE_TOKEN  # a user's Hub token: it must never reach a log or a store
         self.api = self.env["PREFECT_API_URL"]
         self.mlflow = f"http://127.0.0.1:{self.env['SEMSPEC_MLFLOW_PORT']}"
 
@@ -224,3 +226,18 @@ def test_retrain_trains_a_new_pair_and_only_it(project):
     assert "| train | direct | ran |" in project.artifact("semspec-embedded-copy")
     now = project.mlflow_get("registered-models/alias", CHAMPION)["model_version"]["version"]
     assert now == old  # the up-to-date pair was left alone
+
+
+def test_the_hub_token_reaches_no_log_and_no_store(project):
+    """After every run above: the HF_TOKEN the services and stages ran with is in no MLflow store or
+    artifact, no Prefect database or log, no service log and no stage output."""
+    places = ["mlruns.db", "mlartifacts", ".prefect", ".services", "reports", "eval", "data", "dvc.lock"]
+    files = [
+        f
+        for p in places
+        for f in ([project.root / p] if (project.root / p).is_file() else (project.root / p).rglob("*"))
+        if f.is_file()
+    ]
+    assert any(f.name == "mlruns.db" for f in files) and any(f.suffix == ".log" for f in files)
+    leaked = [str(f) for f in files if FAKE_TOKEN.encode() in f.read_bytes()]
+    assert not leaked, f"the Hub token was written to {leaked}"
