@@ -40,7 +40,7 @@ def tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

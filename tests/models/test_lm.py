@@ -153,9 +153,9 @@ def test_encode_adds_bos_once():
 
 
 def test_a_prompt_longer_than_the_context_is_refused_not_cut():
-    lm = tiny_lm()  # max_position_embeddings 512
-    with pytest.raises(ValueError, match=r"the prompt is \d+ tokens and the model's context holds 512"):
-        lm.prefill("x" * 600)
+    lm = tiny_lm()  # max_position_embeddings 2048
+    with pytest.raises(ValueError, match=r"the prompt is \d+ tokens and the model's context holds 2048"):
+        lm.prefill("x" * 2100)
     assert lm.prefill("x" * 100).ids  # a prompt that fits is cached
 
 

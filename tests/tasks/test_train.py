@@ -20,6 +20,7 @@ def _data(n: int, d: int = 6) -> ProbeData:
         y=y,
         in_largest=y > 0.5,
         question_id=np.array([f"q{i}" for i in range(n)]),
+        domain=np.array(["math"] * n),
         model_id="m",
         hidden_size=d,
         num_layers=0,
