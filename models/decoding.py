@@ -51,6 +51,8 @@ class DecodeSettings:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     gamma: int = 1  # steps drafted before verification (paper default 1)
+    # batches only: steps a row may write ahead while others finish theirs (never changes an output)
+    lookahead: int = 2
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
@@ -69,6 +71,8 @@ class DecodeSettings:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.min_ratio is not None and self.min_ratio < 0:
             raise ValueError(f"min_ratio must be >= 0, got {self.min_ratio}")
         if not 0 <= self.accept_threshold <= 9:
@@ -333,23 +337,32 @@ class SingleModelDecoder(BatchDecoder):
         return self.model
 
     def _advance(self, rows: list[_Row]) -> None:
-        """Every row writes its next step, all in one batched decode loop."""
+        """Every row writes its next step, all in one batched decode loop; rows done before the slowest
+        write up to ``lookahead`` more (the steps they would write in the next rounds)."""
         s = self.settings
+
+        def more(b: int, done: list[StepSample]) -> int | None:
+            used = rows[b].res.output_tokens + sum(x.num_tokens for x in done)
+            if len(done) > s.lookahead or used >= s.max_new_tokens:
+                return None
+            return _step_budget(s, self.model, used)
+
         starts = [
             StepStart(r.states[self.role], _step_budget(s, self.model, r.res.output_tokens), r.seed)
             for r in rows
         ]
         with _Clock(_timings(rows), self.role):
-            outs = self.model.decode_steps(starts, s.temperature, s.top_p)
-        for row, (step, state) in zip(rows, outs, strict=True):
-            row.states[self.role], row.seed = state, row.seed + 1
-            k = step.num_tokens
-            row.res.add(
-                StepRecord(self.role, step.text, k * (self.role == "draft"), k * (self.role == "target"))
-            )
-            row.res.output_tokens += k
-            if step.finish_reason == "eos":
-                row.res.finish_reason = "eos"
+            outs = self.model.decode_runs(starts, s.temperature, s.top_p, 1, more)
+        for row, (steps, state) in zip(rows, outs, strict=True):
+            row.states[self.role], row.seed = state, row.seed + len(steps)
+            for step in steps:
+                k = step.num_tokens
+                row.res.add(
+                    StepRecord(self.role, step.text, k * (self.role == "draft"), k * (self.role == "target"))
+                )
+                row.res.output_tokens += k
+                if step.finish_reason == "eos":
+                    row.res.finish_reason = "eos"
 
 
 @dataclass
@@ -377,37 +390,34 @@ class _DraftTarget(BatchDecoder):
         """The draft or the target."""
         return self.draft if role == "draft" else self.target
 
-    def _propose(self, rows: list[_Row], gamma: int) -> dict[int, list[StepSample]]:
-        """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step), each round of proposals
-        one batched decode loop; advances the draft's caches. Returns row index -> its proposals."""
-        s, proposals = self.settings, {r.index: [] for r in rows}
-        proposing = list(rows)
-        for i in range(gamma):
-            if not proposing:
-                break
+    def _propose(self, rows: list[_Row], gamma: int, lookahead: int = 0) -> dict[int, list[StepSample]]:
+        """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step) in one batched decode
+        loop, plus up to ``lookahead`` more for rows done before the slowest (steps the draft would
+        propose in the next rounds, started only with two step budgets left, where no budget cap can
+        differ); advances the draft's caches. Proposal ``j`` samples with ``row.seed + j``. Returns row
+        index -> its proposals."""
+        s = self.settings
+        cap = s.step_tokens or self.draft.spec.max_step_tokens
+
+        def more(b: int, done: list[StepSample]) -> int | None:
             # what the round's earlier proposals use counts against the output budget too
-            used = {
-                r.index: r.res.output_tokens + sum(x.num_tokens for x in proposals[r.index])
-                for r in proposing
-            }
-            proposing = [r for r in proposing if used[r.index] < s.max_new_tokens]
-            if not proposing:
-                break
-            budgets = [_step_budget(s, self.draft, used[r.index]) for r in proposing]
-            starts = [
-                StepStart(r.states["draft"], b, r.seed + i) for r, b in zip(proposing, budgets, strict=True)
-            ]
-            with _Clock(_timings(proposing), "draft"):
-                outs = self.draft.decode_steps(starts, s.temperature, s.top_p)
-            still = []
-            for row, (step, state) in zip(proposing, outs, strict=True):
-                row.states["draft"] = state
-                proposals[row.index].append(step)
-                if step.finish_reason != "eos" and step.text:
-                    still.append(row)
-            proposing = still
-        for row in rows:
-            row.seed += len(proposals[row.index])
+            used = rows[b].res.output_tokens + sum(x.num_tokens for x in done)
+            if used >= s.max_new_tokens or len(done) >= gamma + lookahead:
+                return None
+            if len(done) >= gamma and s.max_new_tokens - used < 2 * cap:
+                return None
+            return _step_budget(s, self.draft, used)
+
+        starts = [
+            StepStart(r.states["draft"], _step_budget(s, self.draft, r.res.output_tokens), r.seed)
+            for r in rows
+        ]
+        with _Clock(_timings(rows), "draft"):
+            outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
+        proposals = {}
+        for row, (steps, state) in zip(rows, outs, strict=True):
+            row.states["draft"] = state
+            proposals[row.index] = steps
         return proposals
 
     def _accept(
@@ -490,16 +500,21 @@ class SemanticSpecDecoder(_DraftTarget):
         return {"probes": self.probe_ids, "salvage": self.settings.salvages}
 
     def _advance(self, rows: list[_Row]) -> None:
-        """One round: the draft proposes up to gamma steps per row, the target verifies them in order
-        with the probes (each proposal position one batched prefill over the rows still going), and the
-        first rejected step of each row is rewritten by the target (one batched decode)."""
+        """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
+        ``_propose``), the target verifies them in order with the probes (each proposal position one
+        batched prefill over the rows still going), and the first rejected step of each row is rewritten
+        by the target (one batched decode). A row consumes the seeds of the proposals it judged only, so
+        its steps do not depend on how far it looked ahead."""
         s = self.settings
         d_restores = {
             r.index: r.states["draft"].checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8) for r in rows
         }
-        proposals = self._propose(rows, s.gamma)
+        seeds = {r.index: r.seed for r in rows}
+        proposals = self._propose(rows, s.gamma, s.lookahead)
+        for row in rows:
+            row.seed = seeds[row.index] + len(proposals[row.index])
         verifying, rewrites = list(rows), []
-        for i in range(s.gamma):
+        for i in range(max(len(p) for p in proposals.values())):
             current = [r for r in verifying if len(proposals[r.index]) > i]
             if not current:
                 break
@@ -512,6 +527,7 @@ class SemanticSpecDecoder(_DraftTarget):
                     if step.finish_reason != "eos":
                         verifying.append(row)
                     continue
+                row.seed = seeds[row.index] + i + 1
                 budget = _step_budget(s, self.target, row.res.output_tokens)
                 start, kept = self._salvage(row, score, budget, t_restore)
                 replay = [prev.text for prev in proposals[row.index][:i]]
@@ -612,6 +628,8 @@ class SpecReasonDecoder(_DraftTarget):
         }
         proposals = self._propose(rows, 1)
         steps = [proposals[r.index][0] for r in rows]
+        for row in rows:
+            row.seed += 1
         t_restores = [r.states["target"].checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
         idx = [b for b, step in enumerate(steps) if step.text]
         rated: dict[int, tuple[int, LMState, int]] = {}

@@ -141,6 +141,26 @@ class StepSample:
         return len(self.token_ids)
 
 
+NextBudget = Callable[[int, list[StepSample]], int | None]
+"""(row, its steps so far) -> the token budget of the row's next step in the same decode loop, or None."""
+
+
+@dataclass
+class _Run:
+    """One row's output of a decode loop: its steps and its own cache."""
+
+    samples: list[StepSample]
+    cache: Cache | None = None
+    # (positions, logits (V,), hidden (L+1, D)) right after the last step the loop fed; None when none
+    boundary: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    dropped: bool = False  # the loop ended inside a lookahead step: its tokens are dropped
+
+
+def _for_row(more: NextBudget | None, i: int) -> NextBudget | None:
+    """``more`` for a loop of row ``i`` alone."""
+    return None if more is None else (lambda _b, done: more(i, done))
+
+
 @dataclass
 class StepScore:
     """One prefill of a step on top of its context."""
@@ -533,7 +553,7 @@ class LM:
             )
             for _ in range(n)
         ]
-        return [sample for sample, _ in self._sample_rows(starts, temperature, top_p, [gen] * n)]
+        return [run.samples[0] for run in self._sample_rows(starts, temperature, top_p, [gen] * n)]
 
     @torch.inference_mode()
     def decode_step(
@@ -559,18 +579,66 @@ class LM:
         """Write one step per row, all rows in one batched decode loop (each stops at its own delimiter,
         EOS or budget and leaves the batch), reusing each row's cache in place. Returns, per row, the step
         and its context extended by the step's text."""
+        return [(steps[0], state) for steps, state in self.decode_runs(starts, temperature, top_p)]
+
+    @torch.inference_mode()
+    def decode_runs(
+        self,
+        starts: list[StepStart],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        min_steps: int = 1,
+        more: NextBudget | None = None,
+    ) -> list[tuple[list[StepSample], LMState]]:
+        """Write consecutive steps per row, all rows in one batched decode loop, reusing each row's cache
+        in place. Each row writes ``min_steps`` steps (fewer after EOS, an empty step or when ``more`` says
+        stop); while some row still owes one, the rows that are done may write *lookahead* steps instead of
+        idling, as long as ``more(row, steps so far)`` gives the next step's token budget (None: stop). A
+        lookahead step still unfinished when the loop ends is dropped. Step ``j`` of a row samples with
+        ``seed + j``, so a row writes the same steps whatever the rest of the batch does. Returns, per row,
+        its steps and its context extended by all of them."""
         _check_sampling(temperature, top_p)
+        if min_steps < 1:
+            raise ValueError(f"min_steps must be >= 1, got {min_steps}")
         if any(st.done is None and st.max_tokens < 1 for st in starts):
             raise ValueError("max_tokens must be >= 1")
-        samples: list[StepSample | None] = [st.done for st in starts]
-        caches: list[Cache] = [st.source.cache for st in starts]
+        runs = [_Run([st.done], st.source.cache) if st.done is not None else None for st in starts]
         live = [i for i, st in enumerate(starts) if st.done is None]
+        sub = None if more is None else (lambda b, done: more(live[b], done))
         gens = [_generator(starts[i].seed) for i in live]
-        for i, (sample, cache) in zip(
-            live, self._sample_rows([starts[i] for i in live], temperature, top_p, gens), strict=True
-        ):
-            samples[i], caches[i] = sample, cache
-        return self._finish_steps([st.context for st in starts], samples, caches)
+        sampled = self._sample_rows([starts[i] for i in live], temperature, top_p, gens, min_steps, sub)
+        for i, run in zip(live, sampled, strict=True):
+            runs[i] = run
+        out: list[tuple[list[StepSample], LMState] | None] = [None] * len(starts)
+        tails = []  # rows whose last step ends in the loop's final tokens: finished below, batched
+        for i, (st, run) in enumerate(zip(starts, runs, strict=True)):
+            ctx = st.context
+            if run.boundary is None:
+                tails.append((i, ctx))
+                continue
+            # the row fed its last complete step inside the loop: outputs after it were kept there
+            length, logits, hidden = run.boundary
+            done = run.samples if run.dropped else run.samples[:-1]
+            state = LMState(
+                ctx.text + "".join(x.text for x in done),
+                ctx.ids + [t for x in done for t in x.token_ids],
+                run.cache,
+                logits,
+                hidden,
+            )
+            if run.dropped:
+                crop_to(run.cache, length)
+                out[i] = (run.samples, state)
+            else:
+                tails.append((i, state))
+        finished = self._finish_steps(
+            [ctx for _, ctx in tails],
+            [runs[i].samples[-1] for i, _ in tails],
+            [runs[i].cache for i, _ in tails],
+        )
+        for (i, _), (_, state) in zip(tails, finished, strict=True):
+            out[i] = (runs[i].samples, state)
+        return out
 
     def _finish_steps(
         self, contexts: list[LMState], samples: list[StepSample], caches: list[Cache]
@@ -607,23 +675,30 @@ class LM:
         return list(zip(samples, out, strict=True))
 
     def _sample_rows(
-        self, starts: list[StepStart], temperature: float, top_p: float, gens: list[torch.Generator]
-    ) -> list[tuple[StepSample, Cache]]:
+        self,
+        starts: list[StepStart],
+        temperature: float,
+        top_p: float,
+        gens: list[torch.Generator],
+        min_steps: int = 1,
+        more: NextBudget | None = None,
+    ) -> list[_Run]:
         """The batched decode loop: every row samples until its own stop, the finished ones leave the
-        batch. Row caches are stacked left-padded for the loop (or, when they cannot be, rows run one after
-        another); each row gets back its own cache holding its context, prefix and sampled tokens but the
-        last. Pooled states cover the positions predicting the newly sampled tokens."""
+        batch (or, see ``decode_runs``, go on with their next step). Row caches are stacked left-padded for
+        the loop (or, when they cannot be, rows run one after another); each row gets back its own cache
+        holding its context, prefix and sampled tokens but the last. Pooled states cover the positions
+        predicting each step's newly sampled tokens."""
         if not starts:
             return []
         caches = [st.source.cache for st in starts]
         lens = [c.get_seq_length() for c in caches]
-        width = max(lens)
-        if len(starts) > 1 and not self._stackable(caches, width + max(st.max_tokens for st in starts)):
+        width, n = max(lens), len(starts)
+        # the loop ends once no row owes a step: it runs at most min_steps budgets (budgets never grow)
+        if n > 1 and not self._stackable(caches, width + min_steps * max(st.max_tokens for st in starts)):
             return [
-                self._sample_rows([st], temperature, top_p, [g])[0]
-                for st, g in zip(starts, gens, strict=True)
+                self._sample_rows([st], temperature, top_p, [g], min_steps, _for_row(more, i))[0]
+                for i, (st, g) in enumerate(zip(starts, gens, strict=True))
             ]
-        n = len(starts)
         cache = self._stack(caches, lens, width) if n > 1 else caches[0]
         pads = [width - length for length in lens]
         warpers = _warpers(temperature, top_p)
@@ -633,29 +708,57 @@ class LM:
         hsum = torch.zeros(n, self.num_layers + 1, self.hidden_size)  # (n, L+1, D)
         lp_sum = torch.zeros(n)
         tokens = [list(st.prefix) for st in starts]
-        texts, reasons = [""] * n, ["length"] * n
-        row_caches: list[Cache | None] = [None] * n
+        plen, budget = [len(st.prefix) for st in starts], [st.max_tokens for st in starts]
+        runs = [_Run([]) for _ in starts]
         fed = 0
         while True:
             # 1. pool the position that predicts the token about to be sampled
             idx = torch.tensor(rows)
             hsum[idx] += hidden
-            # 2. sample one token per live row
+            # 2. sample one token per live row; sort the rows: still in their step, on to the next, leaving
             nxt, lp = _sample(logits, warpers, [gens[i] for i in rows], temperature)  # (B,), (B,)
             lp_sum[idx] += lp
-            keep = []
+            going, turning, leaving = [], {}, []
             for b, i in enumerate(rows):
                 tokens[i].append(int(nxt[b]))
                 done = self._check_stop(tokens[i])
-                if done is None and len(tokens[i]) - len(starts[i].prefix) < starts[i].max_tokens:
-                    keep.append(b)
+                if done is None and len(tokens[i]) - plen[i] < budget[i]:
+                    going.append(b)
                     continue
-                if done is not None:
-                    texts[i], reasons[i] = done
-                row_caches[i] = self._row_cache(cache, b, pads[i], width + fed) if n > 1 else cache
+                text, reason = done or (self.tokenizer.decode(tokens[i], skip_special_tokens=True), "length")
+                pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - plen[i]))
+                runs[i].samples.append(StepSample(text, tokens[i], reason, pooled, float(lp_sum[i])))
+                # a next step continues the cache as is only when the step is exactly its tokens
+                exact = (
+                    reason != "eos"
+                    and text
+                    and self.tokenizer.decode(tokens[i], skip_special_tokens=True) == text
+                )
+                nxt_budget = more(i, runs[i].samples) if more is not None and exact else None
+                if nxt_budget is None or nxt_budget < 1:
+                    leaving.append(b)
+                else:
+                    turning[b] = nxt_budget
+            if not any(len(runs[rows[b]].samples) < min_steps for b in going + list(turning)):
+                # nobody owes a step: the loop ends; lookahead steps under way are dropped
+                for b in going:
+                    runs[rows[b]].dropped = True
+                leaving += going + list(turning)
+                going, turning = [], {}
+            for b in leaving:
+                i = rows[b]
+                runs[i].cache = self._row_cache(cache, b, pads[i], width + fed) if n > 1 else cache
+            keep = sorted(going + list(turning))
             if not keep:
                 break
+            for b, nb in turning.items():  # a new step: fresh tokens, pooling and generator
+                i = rows[b]
+                tokens[i], plen[i], budget[i] = [], 0, nb
+                hsum[i], lp_sum[i] = 0.0, 0.0
+                seed = starts[i].seed
+                gens[i] = _generator(None if seed is None else seed + len(runs[i].samples))
             # 3. drop finished rows and feed the live ones
+            turned = {rows[b] for b in turning}
             if len(keep) < len(rows):
                 cache.batch_select_indices(torch.tensor(keep))
                 rows = [rows[b] for b in keep]
@@ -669,13 +772,12 @@ class LM:
             out_logits, out_hidden, cache = self.forward(nxt[:, None], cache, False, mask, pos)
             logits, hidden = out_logits[:, -1], out_hidden[:, -1]
             fed += 1
-        out = []
-        for i, st in enumerate(starts):
-            if reasons[i] == "length":
-                texts[i] = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-            pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - len(st.prefix)))
-            out.append((StepSample(texts[i], tokens[i], reasons[i], pooled, float(lp_sum[i])), row_caches[i]))
-        return out
+            for b, i in enumerate(rows):
+                if (
+                    i in turned
+                ):  # the outputs right after a row's finished step: where a dropped step rolls back to
+                    runs[i].boundary = (lens[i] + fed, logits[b].clone(), hidden[b].clone())
+        return runs
 
     def _check_stop(self, toks: list[int]) -> tuple[str, str] | None:
         """(text, reason) when ``toks`` ends the step, else None."""

@@ -15,7 +15,7 @@ from semspec.models.decoding import (
     SpecReasonDecoder,
     decode_all,
 )
-from semspec.models.lm import StepStart
+from semspec.models.lm import LM, StepStart
 from tests.helpers.tiny import tiny_gemma_lm, tiny_lm
 
 QUESTIONS = [
@@ -120,15 +120,26 @@ def _decoders(draft, target):
 @pytest.mark.parametrize(
     "name", ["target", "draft", "always-accept", "always-reject", "mixed", "mixed-gamma2", "specreason"]
 )
-def test_a_batch_of_four_equals_each_problem_alone(pair, name):
+def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
     decoder = _decoders(*pair)[name]
     alone = [decoder.decode(q) for q in QUESTIONS]
-    rounds = []
+    rounds, loops = [], []
     real = decoder._advance
     decoder._advance = lambda rows: (rounds.append(len(rows)), real(rows))[1]
+    real_loop = LM._sample_rows
+
+    def spy(self, starts, *args):
+        runs = real_loop(self, starts, *args)
+        loops.append([len(r.samples) for r in runs])
+        return runs
+
+    monkeypatch.setattr(LM, "_sample_rows", spy)
     seen = []
     batched = decoder.decode_batch(QUESTIONS, batch_size=4, on_result=lambda i, r: seen.append(i))
     del decoder._advance
+    if name not in ("target", "specreason"):  # (the tiny target's steps all run to their budget)
+        # rows done before the slowest wrote ahead
+        assert any(n > decoder.settings.gamma for loop in loops for n in loop), "no row looked ahead"
     for b, a in zip(batched, alone, strict=True):
         _assert_same(b, a)
     assert sorted(seen) == list(range(len(QUESTIONS)))
@@ -143,6 +154,43 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name):
     if name in ("mixed", "mixed-gamma2"):
         authors = {s.author for r in batched for s in r.steps}
         assert authors == {"draft", "target"}, "mixed decisions need accepts and rejects"
+
+
+@pytest.mark.parametrize("name", ["draft", "always-accept", "mixed"])
+def test_sampled_steps_do_not_depend_on_the_batch(pair, name):
+    """Step j of a row samples with its own seed, whether written ahead in a batch or in its own round:
+    with float32 models a sampled problem's output in a batch of 4 equals its output alone."""
+    draft, target = pair
+    s = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=1.0, top_p=0.95, seed=5, lookahead=3)
+    probes = {"always-accept": (lambda h: 0.1, lambda h: 1.0), "mixed": (lambda h: 1.0, lambda h: 0.5)}
+    decoder = (
+        SingleModelDecoder(draft, s, "draft")
+        if name == "draft"
+        else SemanticSpecDecoder(draft, target, *probes[name], s)
+    )
+    alone = [decoder.decode(q) for q in QUESTIONS]
+    for b, a in zip(decoder.decode_batch(QUESTIONS, batch_size=4), alone, strict=True):
+        _assert_same(b, a)
+    assert len({r.text for r in alone}) == len(QUESTIONS)
+
+
+def test_lookahead_never_changes_an_output(pair, monkeypatch):
+    _, target = pair
+    # steps of 1 to 8 tokens: rows finish theirs far apart, so lookahead steps are often cut short
+    draft = tiny_lm(merged=True, seed=0, boost=0.5, eos_bias=0.5, init=0.2, max_step_tokens=8)
+    dropped, real = [], LM._sample_rows
+    monkeypatch.setattr(
+        LM, "_sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
+    )
+    outputs = []
+    for lookahead in (0, 1, 6):
+        s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, lookahead=lookahead)
+        dec = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.5, s)
+        outputs.append([_trace(r) for r in dec.decode_batch(QUESTIONS, batch_size=4)])
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert any(dropped), "some lookahead step was under way when its loop ended"
+    with pytest.raises(ValueError, match="lookahead"):
+        DecodeSettings(lookahead=-1)
 
 
 def test_streaming_callbacks_see_each_problem_s_own_steps(pair):
