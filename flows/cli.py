@@ -481,7 +481,11 @@ def bench(
     pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
     lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
     settings = DecodeSettings(
-        max_new_tokens=max_new_tokens, salvage=salvage, temperature=ev.temperature, top_p=ev.top_p
+        max_new_tokens=max_new_tokens,
+        salvage=salvage,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        lookahead=ev.lookahead,
     )
     if batch:
         summary = _or_exit(

@@ -52,7 +52,7 @@ class DecodeSettings:
     top_p: float = 1.0
     gamma: int = 1  # steps drafted before verification (paper default 1)
     # batches only: steps a row may write ahead while others finish theirs (never changes an output)
-    lookahead: int = 2
+    lookahead: int = 4
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
@@ -390,35 +390,43 @@ class _DraftTarget(BatchDecoder):
         """The draft or the target."""
         return self.draft if role == "draft" else self.target
 
-    def _propose(self, rows: list[_Row], gamma: int, lookahead: int = 0) -> dict[int, list[StepSample]]:
+    def _propose(
+        self, rows: list[_Row], gamma: int, lookahead: int = 0
+    ) -> dict[int, list[tuple[StepSample, int]]]:
         """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step) in one batched decode
-        loop, plus up to ``lookahead`` more for rows done before the slowest (steps the draft would
-        propose in the next rounds, started only with two step budgets left, where no budget cap can
-        differ); advances the draft's caches. Proposal ``j`` samples with ``row.seed + j``. Returns row
-        index -> its proposals."""
+        loop, plus up to ``lookahead`` more for rows done before the slowest: the steps the draft would
+        propose in the next rounds (``_valid`` checks their budgets once the steps before are judged);
+        advances the draft's caches. Proposal ``j`` samples with ``row.seed + j``. Returns row index ->
+        its proposals, each with the token budget it was written under."""
         s = self.settings
-        cap = s.step_tokens or self.draft.spec.max_step_tokens
+        budgets = {b: [_step_budget(s, self.draft, r.res.output_tokens)] for b, r in enumerate(rows)}
 
         def more(b: int, done: list[StepSample]) -> int | None:
             # what the round's earlier proposals use counts against the output budget too
             used = rows[b].res.output_tokens + sum(x.num_tokens for x in done)
             if used >= s.max_new_tokens or len(done) >= gamma + lookahead:
                 return None
-            if len(done) >= gamma and s.max_new_tokens - used < 2 * cap:
-                return None
-            return _step_budget(s, self.draft, used)
+            budgets[b].append(_step_budget(s, self.draft, used))
+            return budgets[b][-1]
 
-        starts = [
-            StepStart(r.states["draft"], _step_budget(s, self.draft, r.res.output_tokens), r.seed)
-            for r in rows
-        ]
+        starts = [StepStart(r.states["draft"], budgets[b][0], r.seed) for b, r in enumerate(rows)]
         with _Clock(_timings(rows), "draft"):
             outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
         proposals = {}
-        for row, (steps, state) in zip(rows, outs, strict=True):
+        for b, (row, (steps, state)) in enumerate(zip(rows, outs, strict=True)):
             row.states["draft"] = state
-            proposals[row.index] = steps
+            proposals[row.index] = list(zip(steps, budgets[b], strict=False))
         return proposals
+
+    def _valid(self, row: _Row, step: StepSample, budget: int, used: int) -> bool:
+        """Whether a proposal is the step the draft writes at this point when it proposes round by round:
+        ``used`` output tokens before it (the target's count, as a round would start from); with
+        lookahead the draft counted its own tokens, and a different budget matters only when the step
+        ran into one of the two."""
+        if used >= self.settings.max_new_tokens:
+            return False
+        needed = _step_budget(self.settings, self.draft, used)
+        return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
 
     def _accept(
         self, row: _Row, step: StepSample, verified: StepScore | int, **why: float | int | None
@@ -443,9 +451,7 @@ class _DraftTarget(BatchDecoder):
         with _Clock(_timings(rows), "target"):
             written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
         with _Clock(_timings(rows), "draft"):
-            dstates = [it.d_restore() for it in items]
-            for j in range(max(len(it.replay) for it in items)):
-                self._draft_reads(dstates, [it.replay[j] if j < len(it.replay) else "" for it in items])
+            dstates = self._draft_back([(it.d_restore, it.replay) for it in items])
             before = [len(d.ids) for d in dstates]
             self._draft_reads(dstates, [step.text for step, _ in written])
         for it, (step, tstate), dstate, n in zip(items, written, dstates, before, strict=True):
@@ -465,6 +471,14 @@ class _DraftTarget(BatchDecoder):
             row.res.output_tokens += step.num_tokens
             if step.finish_reason == "eos" or not step.text:
                 row.res.finish_reason = "eos"
+
+    def _draft_back(self, items: list[tuple[Callable[[], LMState], list[str]]]) -> list[LMState]:
+        """Each draft rolled back to its round's checkpoint and re-reading the round's accepted steps,
+        the rows batched."""
+        dstates = [restore() for restore, _ in items]
+        for j in range(max((len(replay) for _, replay in items), default=0)):
+            self._draft_reads(dstates, [replay[j] if j < len(replay) else "" for _, replay in items])
+        return dstates
 
     def _draft_reads(self, dstates: list[LMState], texts: list[str]) -> None:
         """Extend each draft state by its text (rows with no text are left alone), in one prefill."""
@@ -513,12 +527,29 @@ class SemanticSpecDecoder(_DraftTarget):
         proposals = self._propose(rows, s.gamma, s.lookahead)
         for row in rows:
             row.seed = seeds[row.index] + len(proposals[row.index])
-        verifying, rewrites = list(rows), []
+        verifying, rewrites, dropped = list(rows), [], []
+        start_used: dict[int, int] = {}  # row -> output tokens where its current virtual round began
         for i in range(max(len(p) for p in proposals.values())):
-            current = [r for r in verifying if len(proposals[r.index]) > i]
+            current = []
+            for row in verifying:
+                if len(proposals[row.index]) <= i or row.finished(s):
+                    continue
+                if i % s.gamma == 0:
+                    start_used[row.index] = row.res.output_tokens
+                step, budget = proposals[row.index][i]
+                used = start_used[row.index] + sum(
+                    x.num_tokens for x, _ in proposals[row.index][i - i % s.gamma : i]
+                )
+                if self._valid(row, step, budget, used):
+                    current.append(row)
+                else:  # written ahead under another budget: drop it and the rest, draft again next round
+                    row.seed = seeds[row.index] + i
+                    dropped.append(
+                        (d_restores[row.index], [x.text for x, _ in proposals[row.index][:i]], row)
+                    )
             if not current:
                 break
-            steps = [proposals[r.index][i] for r in current]
+            steps = [proposals[r.index][i][0] for r in current]
             verdicts = self._judge(current, steps)
             verifying = []
             for row, step, (score, accepted, why, t_restore) in zip(current, steps, verdicts, strict=True):
@@ -530,9 +561,14 @@ class SemanticSpecDecoder(_DraftTarget):
                 row.seed = seeds[row.index] + i + 1
                 budget = _step_budget(s, self.target, row.res.output_tokens)
                 start, kept = self._salvage(row, score, budget, t_restore)
-                replay = [prev.text for prev in proposals[row.index][:i]]
+                replay = [prev.text for prev, _ in proposals[row.index][:i]]
                 rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, why, kept))
                 row.seed += 1
+        if dropped:
+            with _Clock(_timings([row for _, _, row in dropped]), "draft"):
+                states = self._draft_back([(restore, replay) for restore, replay, _ in dropped])
+            for (_, _, row), state in zip(dropped, states, strict=True):
+                row.states["draft"] = state
         self._rewrite(rewrites)
 
     def _judge(
@@ -627,7 +663,7 @@ class SpecReasonDecoder(_DraftTarget):
             for r in rows
         }
         proposals = self._propose(rows, 1)
-        steps = [proposals[r.index][0] for r in rows]
+        steps = [proposals[r.index][0][0] for r in rows]
         for row in rows:
             row.seed += 1
         t_restores = [r.states["target"].checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]

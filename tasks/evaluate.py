@@ -84,6 +84,7 @@ def _decoders(
         top_p=cfg.top_p,
         gamma=cfg.gamma,
         min_ratio=cfg.min_ratio,
+        lookahead=cfg.lookahead,
         seed=seed,
         benchmark="gpqa" if benchmark == "gpqa" else "math",
     )

@@ -174,21 +174,34 @@ def test_sampled_steps_do_not_depend_on_the_batch(pair, name):
     assert len({r.text for r in alone}) == len(QUESTIONS)
 
 
-def test_lookahead_never_changes_an_output(pair, monkeypatch):
+@pytest.mark.parametrize("probes", ["mixed", "always-accept"])
+def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
+    """Rows written ahead give each problem the output it gets alone and without lookahead, whether the
+    loop cut a lookahead step short, a later rejection discards it, or the draft wrote it under a budget
+    that a round-by-round draft would not have had (two tokenizers count the output differently)."""
     _, target = pair
     # steps of 1 to 8 tokens: rows finish theirs far apart, so lookahead steps are often cut short
     draft = tiny_lm(merged=True, seed=0, boost=0.5, eos_bias=0.5, init=0.2, max_step_tokens=8)
-    dropped, real = [], LM._sample_rows
+    q, p = {"mixed": (1.0, 0.5), "always-accept": (0.1, 1.0)}[probes]
+    dropped, invalid, real, real_valid = [], [], LM._sample_rows, SemanticSpecDecoder._valid
     monkeypatch.setattr(
         LM, "_sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
     )
-    outputs = []
-    for lookahead in (0, 1, 6):
+    monkeypatch.setattr(
+        SemanticSpecDecoder, "_valid", lambda *a: (ok := real_valid(*a), invalid.append(not ok))[0]
+    )
+    alone = [
+        SemanticSpecDecoder(draft, target, lambda h: q, lambda h: p, DecodeSettings(40, 8, seed=3)).decode(x)
+        for x in QUESTIONS
+    ]
+    for lookahead in (0, 2, 6):
         s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, lookahead=lookahead)
-        dec = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.5, s)
-        outputs.append([_trace(r) for r in dec.decode_batch(QUESTIONS, batch_size=4)])
-    assert outputs[0] == outputs[1] == outputs[2]
+        dec = SemanticSpecDecoder(draft, target, lambda h: q, lambda h: p, s)
+        for b, a in zip(dec.decode_batch(QUESTIONS, batch_size=4), alone, strict=True):
+            _assert_same(b, a)
     assert any(dropped), "some lookahead step was under way when its loop ended"
+    if probes == "always-accept":
+        assert any(invalid), "some step was written ahead under another budget"
     with pytest.raises(ValueError, match="lookahead"):
         DecodeSettings(lookahead=-1)
 

@@ -65,6 +65,7 @@ def test_profiles_and_overrides():
         ("train.domains=math", "'domains' must be 'all' or a non-empty list"),
         ("train.domains=[math, a-b]", "domain 'a-b'"),
         ("evaluate.probe_domain=x/y", "domain 'x/y'"),
+        ("evaluate.lookahead=-1", "'lookahead' must be a count"),
     ],
 )
 def test_bad_values_name_the_field(override, msg):
