@@ -37,7 +37,7 @@ async def follow(flow_run_id: UUID, echo: Callable[[str], None], timeout: int | 
 
     streaming = asyncio.create_task(stream())
     try:
-        return await wait_for_flow_run(flow_run_id, timeout=timeout, poll_interval=2)
+        return await wait_for_flow_run(flow_run_id, timeout=timeout)
     finally:
         await asyncio.sleep(1)  # the last lines may still be in flight
         streaming.cancel()
