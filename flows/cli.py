@@ -457,6 +457,10 @@ def bench(
             "SemanticSpec per batch size instead of the one-at-a-time table."
         ),
     ] = None,
+    lookahead: Annotated[
+        int | None,
+        typer.Option(help="Steps a row may write ahead in a batch (default: params' evaluate.lookahead)."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
@@ -476,6 +480,8 @@ def bench(
         raise typer.BadParameter(
             f"unknown variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}", param_hint="--probe"
         )
+    if lookahead is not None and lookahead < 0:
+        raise typer.BadParameter(f"must be >= 0, got {lookahead}", param_hint="--lookahead")
     params = _or_exit(load_params)
     ev = params.evaluate  # decode as the evaluation does (temperature, top_p)
     pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
@@ -485,7 +491,7 @@ def bench(
         salvage=salvage,
         temperature=ev.temperature,
         top_p=ev.top_p,
-        lookahead=ev.lookahead,
+        lookahead=ev.lookahead if lookahead is None else lookahead,
     )
     if batch:
         summary = _or_exit(

@@ -241,3 +241,8 @@ def test_pairs_prune_lists_then_deletes_what_removed_pairs_left(tmp_path, monkey
     )
     assert (tmp_path / "data" / "tiny").is_dir() and (tmp_path / "eval" / "tiny-accuracy").is_dir()
     assert "nothing to prune" in runner.invoke(app, ["pairs", "prune"]).output
+
+
+def test_bench_refuses_a_negative_lookahead():
+    res = runner.invoke(app, ["bench", "--lookahead", "-1"])
+    assert res.exit_code == 2 and "--lookahead" in res.output and "must be >= 0" in res.output
