@@ -148,6 +148,7 @@ _NOISE = (  # repeated per stage, or said better elsewhere
     "dvc push",
     "To track the changes with git",
     "To enable auto staging",
+    "dvc config core.autostage",  # the hint's second line arrives as a line of its own
 )
 _LEVELS = (
     (re.compile(r"\b(ERROR|CRITICAL|Traceback \(most recent call last\))|^\w*Error:"), logging.ERROR),

@@ -15,6 +15,8 @@ def test_log_lines_lose_ansi_codes_redraws_and_dvc_hints():
     bar = "sample:  10%|#   | 1/10 [00:05<00:45]\rsample:  20%|##  | 2/10 [00:10<00:40, 5.0s/prefix]"
     assert clean_line(bar) == "sample:  20%|##  | 2/10 [00:10<00:40, 5.0s/prefix]"
     assert clean_line("To track the changes with git, run:\n\n\tgit add dvc.lock") is None
+    assert clean_line("To enable auto staging, run:") is None
+    assert clean_line("\tdvc config core.autostage true") is None
     assert clean_line("\x1b[2K   ") is None
 
 
