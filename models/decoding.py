@@ -53,6 +53,8 @@ class DecodeSettings:
     gamma: int = 1  # steps drafted before verification (paper default 1)
     # batches only: steps a row may write ahead while others finish theirs (never changes an output)
     lookahead: int = 4
+    # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
+    rewrite_wait: int = 2
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
@@ -73,6 +75,8 @@ class DecodeSettings:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.rewrite_wait < 0:
+            raise ValueError(f"rewrite_wait must be >= 0, got {self.rewrite_wait}")
         if self.min_ratio is not None and self.min_ratio < 0:
             raise ValueError(f"min_ratio must be >= 0, got {self.min_ratio}")
         if not 0 <= self.accept_threshold <= 9:
@@ -226,6 +230,8 @@ class _Row:
     seed: int
     rng: random.Random
     states: dict[str, LMState] = field(default_factory=dict)  # role -> state
+    pending: _Rewrite | None = None  # a rejected step waiting for the target to rewrite it
+    waited: int = 0  # rounds it has waited
 
     def finished(self, s: DecodeSettings) -> bool:
         """Whether the row has used its budget or ended with EOS."""
@@ -390,6 +396,31 @@ class _DraftTarget(BatchDecoder):
         """The draft or the target."""
         return self.draft if role == "draft" else self.target
 
+    def _round(self, rows: list[_Row]) -> list[_Rewrite]:
+        """Propose and judge for ``rows``; returns the rejected steps to rewrite."""
+        raise NotImplementedError
+
+    def _advance(self, rows: list[_Row]) -> None:
+        """One round (``_round``) for the rows without a pending rewrite. The target rewrites the rejected
+        rows together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could
+        go on without them: its decode forward costs about the same for one row as for several, and a row
+        that waits goes through the same steps (only later)."""
+        s = self.settings
+        active = [r for r in rows if r.pending is None]
+        for it in self._round(active) if active else []:
+            it.row.pending = it
+        waiting = [r for r in rows if r.pending is not None]
+        if not waiting:
+            return
+        going = [r for r in rows if r.pending is None and not r.finished(s)]
+        if not going or 2 * len(waiting) >= len(rows) or max(r.waited for r in waiting) >= s.rewrite_wait:
+            self._rewrite([r.pending for r in waiting])
+            for r in waiting:
+                r.pending, r.waited = None, 0
+        else:
+            for r in waiting:
+                r.waited += 1
+
     def _propose(
         self, rows: list[_Row], gamma: int, lookahead: int = 0
     ) -> dict[int, list[tuple[StepSample, int]]]:
@@ -513,7 +544,7 @@ class SemanticSpecDecoder(_DraftTarget):
         """What, beyond the evaluation settings, decides this decoder's rows: the probes and salvage."""
         return {"probes": self.probe_ids, "salvage": self.settings.salvages}
 
-    def _advance(self, rows: list[_Row]) -> None:
+    def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
         ``_propose``), the target verifies them in order with the probes (each proposal position one
         batched prefill over the rows still going), and the first rejected step of each row is rewritten
@@ -569,7 +600,7 @@ class SemanticSpecDecoder(_DraftTarget):
                 states = self._draft_back([(restore, replay) for restore, replay, _ in dropped])
             for (_, _, row), state in zip(dropped, states, strict=True):
                 row.states["draft"] = state
-        self._rewrite(rewrites)
+        return rewrites
 
     def _judge(
         self, rows: list[_Row], steps: list[StepSample]
@@ -654,9 +685,9 @@ class SpecReasonDecoder(_DraftTarget):
             out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
         return out
 
-    def _advance(self, rows: list[_Row]) -> None:
-        """One round: the draft writes a step per row, the target rates them (batched), steps below the
-        threshold are rewritten by the target (one batched decode)."""
+    def _round(self, rows: list[_Row]) -> list[_Rewrite]:
+        """One round: the draft writes a step per row, the target rates them (batched); returns the steps
+        below the threshold, for the target to rewrite."""
         s = self.settings
         d_restores = {
             r.index: r.states["draft"].checkpoint(_step_budget(s, self.draft, r.res.output_tokens) + 8)
@@ -686,7 +717,7 @@ class SpecReasonDecoder(_DraftTarget):
             start = StepStart(t_restores[b](), budget, row.seed)
             rewrites.append(_Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
             row.seed += 1
-        self._rewrite(rewrites)
+        return rewrites
 
 
 def decode_all(

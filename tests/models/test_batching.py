@@ -206,6 +206,34 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
         DecodeSettings(lookahead=-1)
 
 
+def test_rejected_rows_wait_to_share_the_target_s_rewrite(pair, monkeypatch):
+    """Rejected rows may wait a few rounds so the target rewrites several in one decode loop: fewer loops,
+    and every problem's output unchanged."""
+    draft, target = pair
+    loops, real = [], SemanticSpecDecoder._rewrite
+    monkeypatch.setattr(
+        SemanticSpecDecoder, "_rewrite", lambda self, items: (loops.append(len(items)), real(self, items))[1]
+    )
+    alone = [
+        SemanticSpecDecoder(
+            draft, target, lambda h: 1.0, lambda h: 0.8, DecodeSettings(40, 8, seed=3)
+        ).decode(x)
+        for x in QUESTIONS
+    ]
+    counts = {}
+    for wait in (0, 3):
+        loops.clear()
+        s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, rewrite_wait=wait)
+        dec = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.8, s)
+        for b, a in zip(dec.decode_batch(QUESTIONS, batch_size=4), alone, strict=True):
+            _assert_same(b, a)
+        counts[wait] = (len(loops), sum(loops))
+    assert counts[3][1] == counts[0][1], "the same steps were rewritten"
+    assert counts[3][0] < counts[0][0], "waiting rows shared rewrite loops"
+    with pytest.raises(ValueError, match="rewrite_wait"):
+        DecodeSettings(rewrite_wait=-1)
+
+
 def test_streaming_callbacks_see_each_problem_s_own_steps(pair):
     decoder = _decoders(*pair)["mixed"]
     streamed: dict[int, list] = {}
