@@ -492,6 +492,7 @@ def bench(
         temperature=ev.temperature,
         top_p=ev.top_p,
         lookahead=ev.lookahead if lookahead is None else lookahead,
+        rewrite_wait=ev.rewrite_wait,
     )
     if batch:
         summary = _or_exit(

@@ -208,6 +208,7 @@ class EvaluateConfig:
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
     lookahead: int = 4  # batches: steps a row may write ahead while others finish theirs (no output changes)
+    rewrite_wait: int = 2  # batches: rounds a rejected row may wait to share the target's rewrite loop
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
 
@@ -231,8 +232,10 @@ class EvaluateConfig:
         )
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("evaluate: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
-        if not isinstance(self.lookahead, int) or self.lookahead < 0:
-            raise ValueError(f"evaluate: field 'lookahead' must be a count >= 0, got {self.lookahead!r}")
+        for name in ("lookahead", "rewrite_wait"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"evaluate: field '{name}' must be a count >= 0, got {value!r}")
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")
         if self.levels is not None and (

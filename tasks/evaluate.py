@@ -85,6 +85,7 @@ def _decoders(
         gamma=cfg.gamma,
         min_ratio=cfg.min_ratio,
         lookahead=cfg.lookahead,
+        rewrite_wait=cfg.rewrite_wait,
         seed=seed,
         benchmark="gpqa" if benchmark == "gpqa" else "math",
     )

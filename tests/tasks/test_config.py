@@ -66,6 +66,7 @@ def test_profiles_and_overrides():
         ("train.domains=[math, a-b]", "domain 'a-b'"),
         ("evaluate.probe_domain=x/y", "domain 'x/y'"),
         ("evaluate.lookahead=-1", "'lookahead' must be a count"),
+        ("evaluate.rewrite_wait=x", "'rewrite_wait' must be a count"),
     ],
 )
 def test_bad_values_name_the_field(override, msg):
