@@ -547,9 +547,9 @@ class SemanticSpecDecoder(_DraftTarget):
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
         ``_propose``), the target verifies them in order with the probes (each proposal position one
-        batched prefill over the rows still going), and the first rejected step of each row is rewritten
-        by the target (one batched decode). A row consumes the seeds of the proposals it judged only, so
-        its steps do not depend on how far it looked ahead."""
+        batched prefill over the rows still going); returns the first rejected step of each row, for the
+        target to rewrite. A row consumes the seeds of the proposals it judged only, so its steps do not
+        depend on how far it looked ahead."""
         s = self.settings
         d_restores = {
             r.index: r.states["draft"].checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8) for r in rows

@@ -772,10 +772,9 @@ class LM:
             out_logits, out_hidden, cache = self.forward(nxt[:, None], cache, False, mask, pos)
             logits, hidden = out_logits[:, -1], out_hidden[:, -1]
             fed += 1
+            # the outputs right after a row's finished step: where a dropped lookahead step rolls back to
             for b, i in enumerate(rows):
-                if (
-                    i in turned
-                ):  # the outputs right after a row's finished step: where a dropped step rolls back to
+                if i in turned:
                     runs[i].boundary = (lens[i] + fed, logits[b].clone(), hidden[b].clone())
         return runs
 
