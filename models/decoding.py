@@ -54,7 +54,7 @@ class DecodeSettings:
     # batches only: steps a row may write ahead while others finish theirs (never changes an output)
     lookahead: int = 4
     # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
-    rewrite_wait: int = 2
+    rewrite_wait: int = 0
     min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
