@@ -208,7 +208,7 @@ class EvaluateConfig:
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
     lookahead: int = 4  # batches: steps a row may write ahead while others finish theirs (no output changes)
-    rewrite_wait: int = 0  # batches: rounds a rejected row may wait to share the target's rewrite loop (0: off)
+    rewrite_wait: int = 0  # batches: rounds a rejected row may wait to share a rewrite (0: off)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
 
