@@ -7,7 +7,8 @@ trace (who wrote each step, tokens per model, p, q, the acceptance draw, timings
 * ``semanticspec``: the paper's Algorithm 1 — the draft writes a step, the target prefills it on its
   cached context, probes give q (draft) and p (target), the step is accepted with probability
   min(1, p/q); otherwise the target writes the step itself from the last accepted context.
-* ``specreason``: the target scores each draft step 0-9 with a verification prompt; accept at a threshold.
+* ``specreason``: the target scores each draft step 0-9 in a verification turn (SpecReason's prompt and
+  scale); steps scored below the threshold are rewritten.
 
 The token-level baselines (``specsampling``, ``assisted``) live in ``semspec.models.token_level``.
 
@@ -656,31 +657,47 @@ class SemanticSpecDecoder(_DraftTarget):
         return StepStart(t_restore(), budget, row.seed), 0
 
 
-VERIFY_PROMPT = "\n\nIs the previous step correct? Rate it from 0 (wrong) to 9 (certainly correct). Rating:"
+# SpecReason's verification (github.com/ruipeterpan/specreason, spec_reason.py): after the steps, a user
+# turn asks for a 0-9 score of the last step and the assistant's reply starts with the lead below; the
+# score is the target's greedy next token, 0 when that token is not a digit; steps scored >= 7 are kept.
+VERIFY_INSTRUCTION = (
+    "Evaluate the last reasoning step solely based on factual correctness and logical validity. Ignore "
+    "style, phrasing, or overall usefulness—only judge whether the step is objectively correct and "
+    "logically follows from prior steps. Assign a score from 0 to 9."
+)
+VERIFY_LEAD = "I think the quality score is: "
 
 
 class SpecReasonDecoder(_DraftTarget):
-    """SpecReason: the target rates each draft step 0-9; steps rated below the threshold are rewritten."""
+    """SpecReason: the target scores each draft step 0-9; steps scored below the threshold are rewritten."""
 
     method = "specreason"
 
-    def __init__(self, draft: LM, target: LM, settings: DecodeSettings, prompt: str = VERIFY_PROMPT) -> None:
-        self.draft, self.target, self.settings, self.prompt = draft, target, settings, prompt
+    def __init__(
+        self,
+        draft: LM,
+        target: LM,
+        settings: DecodeSettings,
+        instruction: str = VERIFY_INSTRUCTION,
+        lead: str = VERIFY_LEAD,
+    ) -> None:
+        self.draft, self.target, self.settings = draft, target, settings
+        self.prompt = target.next_turn(instruction, lead)
         ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
-        self.digit_ids = [i[-1] for i in ids]
+        self.digits = {i[0]: d for d, i in enumerate(ids) if len(i) == 1}
 
     def rate(self, states: list[LMState], step_texts: list[str]) -> list[tuple[int, LMState, int]]:
-        """Score each row's step 0-9 (argmax over the digit tokens after the verification prompt), all
-        rows in one padded prefill of the steps and one of the prompt.
+        """Score each row's step 0-9 (the target's greedy token after the verification turn; 0 when it is
+        not a digit), all rows in one padded prefill of the steps and one of the verification turn.
 
-        Returns per row the score, the target state extended by the step (the prompt is cropped away) and
+        Returns per row the score, the target state extended by the step (the turn is cropped away) and
         the number of step tokens prefilled."""
         stepped = self.target.extend_many(states, step_texts)
         kept = [(st.text, list(st.ids), st.logits, st.hidden) for st, _, _, _ in stepped]
         prompted = self.target.extend_many([st for st, _, _, _ in stepped], [self.prompt] * len(states))
         out = []
         for (st2, _, _, _), keep, (_, ids, _, _) in zip(prompted, kept, stepped, strict=True):
-            score = int(torch.argmax(st2.logits[self.digit_ids]))
+            score = self.digits.get(int(torch.argmax(st2.logits)), 0)
             crop_to(st2.cache, len(keep[1]))
             out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
         return out

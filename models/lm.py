@@ -261,6 +261,24 @@ class LM:
             messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
+    def next_turn(self, instruction: str, reply_start: str) -> str:
+        """The text that closes the assistant's turn, asks ``instruction`` as a new user turn and opens
+        the assistant's reply with ``reply_start`` (SpecReason's verification). With a chat template the
+        turns are the template's own; without one, plain lines."""
+        if not self.uses_chat_template():
+            return f"\n\n{instruction}\n{reply_start}"
+        mark = "\x00semspec-turn\x00"
+        messages = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": mark},
+            {"role": "user", "content": instruction},
+            {"role": "assistant", "content": reply_start},
+        ]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        if text.count(mark) != 1:
+            raise ValueError(f"{self.model_id}: the chat template does not keep assistant turns verbatim")
+        return text.split(mark, 1)[1]
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a full context (special tokens added unless the text already starts with BOS)."""
         bos = self.tokenizer.bos_token

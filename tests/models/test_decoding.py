@@ -211,3 +211,37 @@ def test_acceptance_draws_differ_between_problems(pair):
     first = [dec.decode(q).steps[0].u for q in ("What is 2 + 3?", "Add 17 and 25.")]
     assert first[0] != first[1]
     assert dec.decode("What is 2 + 3?").steps[0].u == first[0], "and stay the same for one problem"
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if not loop.last or add_generation_prompt %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_specreason_asks_in_a_new_user_turn_of_the_chat_template():
+    target = tiny_lm(seed=1, prompt="auto")
+    target.tokenizer.chat_template = CHATML
+    dec = SpecReasonDecoder(target, target, SETTINGS)
+    # the steps' assistant turn is closed, the instruction is a user turn, the reply starts with the lead
+    assert dec.prompt.startswith("<|im_end|>\n<|im_start|>user\nEvaluate the last reasoning step")
+    assert dec.prompt.endswith(
+        "Assign a score from 0 to 9.<|im_end|>\n<|im_start|>assistant\nI think the quality score is: "
+    )
+    plain = SpecReasonDecoder(target, tiny_lm(seed=1), SETTINGS).prompt
+    assert plain.startswith("\n\nEvaluate") and plain.endswith("\nI think the quality score is: ")
+
+
+@pytest.mark.parametrize(("favoured", "score"), [("8", 8), ("3", 3), ("x", 0)])
+def test_specreason_scores_the_greedy_token_and_a_non_digit_as_zero(favoured, score):
+    from tests.helpers.tiny import boost_tokens
+
+    draft = tiny_lm(merged=True, seed=0, boost=2.5, max_step_tokens=8)
+    target = tiny_lm(seed=1, max_step_tokens=8)
+    boost_tokens(target.model, [target.tokenizer.convert_tokens_to_ids(favoured)], 50.0)
+    settings = DecodeSettings(max_new_tokens=16, step_tokens=8, accept_threshold=7)
+    res = SpecReasonDecoder(draft, target, settings).decode(Q)
+    proposed = [s for s in res.steps if s.score is not None]
+    assert proposed and all(s.score == score for s in proposed)
+    assert all((s.author == "draft") == (score >= 7) for s in proposed)
