@@ -10,9 +10,14 @@ the spec says cuda).
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import random
+import shutil
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +28,16 @@ from tqdm.auto import tqdm
 from semspec.models.judges import Judge, load_judge, semantic_entropy
 from semspec.models.pair import JudgeSpec, PairConfig
 from semspec.tasks.config import ClusterConfig, Params
-from semspec.tasks.io import read_shards, write_parquet_atomic
-from semspec.tasks.ray_utils import init_ray
+from semspec.tasks.io import (
+    content_md5,
+    ensure_manifest,
+    file_md5,
+    read_shards,
+    shard_name,
+    shard_paths,
+    write_parquet_atomic,
+)
+from semspec.tasks.ray_utils import get_result, init_ray, restartable
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +162,9 @@ def group_samples(samples: pa.Table, prefixes: dict[str, dict[str, Any]]) -> lis
     return list(groups.values())
 
 
+PARTS = ".parts"  # labels of finished batches while the stage runs (removed when it completes)
+
+
 def run_cluster(
     cfg: ClusterConfig,
     pair: PairConfig,
@@ -157,7 +173,11 @@ def run_cluster(
     prefixes_path: Path | None = None,
     judge: Judge | None = None,
 ) -> dict[str, Path]:
-    """Write ``out_dir/<role>.parquet`` for every role sampled in ``samples_dir``."""
+    """Write ``out_dir/<role>.parquet`` for every role sampled in ``samples_dir``; resumes.
+
+    Each batch of prefixes is written to ``out_dir/.parts/<role>/`` as it is labelled, so a rerun after a
+    crash labels only the prefixes without a part (parts made with other settings or samples are dropped).
+    """
     prefixes = {}
     if prefixes_path is not None:
         prefixes = {r["prefix_id"]: r for r in pq.read_table(prefixes_path).to_pylist()}
@@ -165,65 +185,115 @@ def run_cluster(
     if not roles:
         raise ValueError(f"no sample folders in {samples_dir}: run the sample stage first")
     work = {role: group_samples(read_shards(samples_dir / role), prefixes) for role in roles}
-    total = sum(len(g) for g in work.values())
-    label_fn = _labels_local if cfg.executor == "local" or judge is not None else _labels_ray
-    labels = label_fn(cfg, pair.judge, work, total, judge)
+    parts = out_dir / PARTS
+    settings = asdict(cfg)
+    for k in ("executor", "batch_prefixes"):  # how the work is spread does not change a label
+        settings.pop(k)
+    manifest = {
+        "cluster": settings,
+        "judge": asdict(pair.judge),
+        "samples_md5": {role: content_md5(samples_dir / role) for role in roles},
+        "prefixes_md5": file_md5(Path(prefixes_path)) if prefixes_path is not None else None,
+    }
+    done = {role: set() for role in roles}
+    if ensure_manifest(parts, manifest):
+        done = {role: labelled_prefixes(parts / role) for role in roles}
+    todo = {role: [g for g in groups if g["prefix_id"] not in done[role]] for role, groups in work.items()}
+    total = sum(len(g) for g in todo.values())
+    log.info(
+        "cluster: %d prefixes, %d already labelled, %d to do",
+        sum(len(g) for g in work.values()),
+        sum(len(d) for d in done.values()),
+        total,
+    )
+    if total:
+        label_fn = _labels_local if cfg.executor == "local" or judge is not None else _labels_ray
+        label_fn(cfg, pair.judge, todo, total, judge, functools.partial(_write_part, parts))
     out = {}
     for role in roles:
-        rows = sorted(labels[role], key=lambda r: (r["prefix_id"], r["sample_idx"]))
-        n_inv = sum(len(g["text"]) for g in work[role]) - len(rows)
-        log.info(
-            "cluster[%s]: %d labelled samples over %d prefixes, %d invalid",
-            role,
-            len(rows),
-            len({r["prefix_id"] for r in rows}),
-            n_inv,
-        )
-        out[role] = write_parquet_atomic(
-            pa.Table.from_pylist(rows, schema=LABEL_SCHEMA), out_dir / f"{role}.parquet"
-        )
+        out[role] = _finish_role(parts / role, work[role], out_dir / f"{role}.parquet")
+    for stale in out_dir.glob("*.parquet"):  # a role no longer sampled
+        if stale.stem not in roles:
+            stale.unlink()
+    shutil.rmtree(parts)
     return out
 
 
-def _labels_local(cfg, spec, work, total, judge) -> dict[str, list[dict[str, Any]]]:
+def labelled_prefixes(folder: Path) -> set[str]:
+    """Prefix ids whose labels are in a finished part of ``folder`` (a part lists its prefixes in its
+    metadata: a prefix with no valid sample has no rows but is done)."""
+    done: set[str] = set()
+    for p in shard_paths(folder):
+        done.update(json.loads(pq.read_schema(p).metadata[b"prefix_ids"]))
+    return done
+
+
+def _write_part(parts: Path, role: str, groups: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    ids = [g["prefix_id"] for g in groups]
+    table = pa.Table.from_pylist(rows, schema=LABEL_SCHEMA)
+    table = table.replace_schema_metadata({"prefix_ids": json.dumps(ids)})
+    write_parquet_atomic(table, parts / role / shard_name(ids))
+
+
+def _finish_role(folder: Path, groups: list[dict[str, Any]], path: Path) -> Path:
+    """Join a role's parts into ``path``, sorted; every prefix labelled once, no duplicate rows."""
+    role = path.stem
+    missing = {g["prefix_id"] for g in groups} - labelled_prefixes(folder)
+    if missing:
+        raise RuntimeError(f"cluster[{role}]: {len(missing)} prefixes have no labels in {folder}")
+    tables = [pq.read_table(p).replace_schema_metadata(None) for p in shard_paths(folder)]
+    rows = pa.concat_tables(tables).to_pylist() if tables else []
+    rows.sort(key=lambda r: (r["prefix_id"], r["sample_idx"]))
+    if len({(r["prefix_id"], r["sample_idx"]) for r in rows}) != len(rows):
+        raise RuntimeError(f"cluster[{role}]: duplicate labels in {folder}")
+    n_inv = sum(len(g["text"]) for g in groups) - len(rows)
+    log.info(
+        "cluster[%s]: %d labelled samples over %d prefixes, %d invalid",
+        role,
+        len(rows),
+        len({r["prefix_id"] for r in rows}),
+        n_inv,
+    )
+    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=LABEL_SCHEMA), path)
+
+
+PartWriter = Callable[[str, list[dict[str, Any]], list[dict[str, Any]]], None]
+
+
+def _batches(work: dict[str, list[dict[str, Any]]], size: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    for role, groups in work.items():
+        for i in range(0, len(groups), size):
+            yield role, groups[i : i + size]
+
+
+def _labels_local(cfg, spec, work, total, judge, write: PartWriter) -> None:
     actor = JudgeActor(spec, judge)
-    out = {}
     with tqdm(total=total, desc="cluster", unit="prefix") as bar:
-        for role, groups in work.items():
-            out[role] = []
-            for i in range(0, len(groups), cfg.batch_prefixes):
-                batch = groups[i : i + cfg.batch_prefixes]
-                out[role].extend(actor.label(batch, cfg))
-                bar.update(len(batch))
-    return out
+        for role, batch in _batches(work, cfg.batch_prefixes):
+            write(role, batch, actor.label(batch, cfg))
+            bar.update(len(batch))
 
 
-def _labels_ray(cfg, spec, work, total, judge) -> dict[str, list[dict[str, Any]]]:
+def _labels_ray(cfg, spec, work, total, judge, write: PartWriter) -> None:
     import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
-    actor = (
-        ray.remote(JudgeActor)
-        .options(num_cpus=1, num_gpus=1 if spec.device.startswith("cuda") else 0)
-        .remote(spec)
-    )
-    futures = {}
-    for role, groups in work.items():
-        for i in range(0, len(groups), cfg.batch_prefixes):
-            batch = groups[i : i + cfg.batch_prefixes]
-            futures[actor.label.remote(batch, cfg)] = (role, len(batch))
-    out: dict[str, list[dict[str, Any]]] = {role: [] for role in work}
+    opts = restartable(num_cpus=1, num_gpus=1 if spec.device.startswith("cuda") else 0)
+    actor = ray.remote(JudgeActor).options(**opts).remote(spec)
+    futures = {
+        actor.label.remote(batch, cfg): (role, batch) for role, batch in _batches(work, cfg.batch_prefixes)
+    }
     try:
         with tqdm(total=total, desc="cluster", unit="prefix") as bar:
             pending = list(futures)
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
-                role, n = futures[ready[0]]
-                out[role].extend(ray.get(ready[0]))
-                bar.update(n)
+                role, batch = futures[ready[0]]
+                ids = ", ".join(g["prefix_id"] for g in batch)
+                write(role, batch, get_result(ready[0], f"cluster[{role}] of prefixes {ids}"))
+                bar.update(len(batch))
     finally:
         ray.kill(actor)
-    return out
 
 
 def stage(*, params: Params, pair: PairConfig, samples: Path, prefixes: Path, out: Path) -> str:

@@ -43,7 +43,7 @@ from semspec.tasks.decoders import build_decoder
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import atomic_path, config_hash, git_commit, save_figure_atomic, write_json_atomic
 from semspec.tasks.probe_registry import check_tracking, read_pointers, setup_experiment
-from semspec.tasks.ray_utils import init_ray
+from semspec.tasks.ray_utils import get_result, init_ray, restartable
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +485,7 @@ class _RayPool:
         self.ray = ray
         cuda = any(pair.role(r).uses_cuda for r in ROLES)
         cpus = max(1, int(ray.available_resources().get("CPU", os.cpu_count() or 1)) // n)
-        opts = {"num_cpus": cpus, "num_gpus": 1 if cuda else 0}
+        opts = restartable(num_cpus=cpus, num_gpus=1 if cuda else 0)
         remote = ray.remote(EvalWorker)
         self.actors = [remote.options(**opts).remote(cfg, pair, pins, None, cpus) for _ in range(n)]
         log.info("evaluate: %d Ray actors, %d CPUs%s each", n, cpus, " and one GPU" if cuda else "")
@@ -501,7 +501,9 @@ class _RayPool:
                 pending[actor.decode.remote(turn)] = (actor, turn)
             ready, _ = self.ray.wait(list(pending), num_returns=1)
             actor, turn = pending.pop(ready[0])
-            for i, res in enumerate(self.ray.get(ready[0])):
+            ids = ", ".join(p.question_id for p in turn.problems)
+            what = f"evaluate[{turn.bench}/{turn.label}, seed {turn.seed}] of problems {ids}"
+            for i, res in enumerate(get_result(ready[0], what)):
                 keep(turn, i, res)
             idle.append(actor)
 

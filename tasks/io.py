@@ -70,6 +70,11 @@ def save_figure_atomic(fig: Any, path: Path, dpi: int = 90) -> Path:
     return path
 
 
+def shard_name(prefix_ids: list[str]) -> str:
+    """Deterministic shard file name for a batch of prefixes."""
+    return f"part-{hashlib.sha1(','.join(sorted(prefix_ids)).encode()).hexdigest()[:16]}.parquet"
+
+
 def shard_paths(folder: Path) -> list[Path]:
     """Complete shards of a folder (temp files of an interrupted write are ignored)."""
     return sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
@@ -141,11 +146,16 @@ def data_hash(path: Path, lock: Path | None = None) -> str:
                         return f"dvc:{out['md5']}"
         except (yaml.YAMLError, AttributeError):
             pass
+    return f"md5:{content_md5(path)}"
+
+
+def content_md5(path: Path) -> str:
+    """An MD5 over the names and MD5s of a file, or of every file under a folder."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     h = hashlib.md5()
     for f in files:
         h.update(f"{f.relative_to(path.parent if path.is_file() else path)}:{file_md5(f)}".encode())
-    return f"md5:{h.hexdigest()}"
+    return h.hexdigest()
 
 
 def git_commit() -> str:

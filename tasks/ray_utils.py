@@ -32,6 +32,29 @@ def init_ray() -> None:
         exit_on_termination()  # ours again: Ray's own SIGTERM handler aborts without shutting Ray down
 
 
+ACTOR_RESTARTS = 2  # a dead actor (killed, out of memory, a lost node) is replaced this often, then we fail
+
+
+def restartable(**options: object) -> dict[str, object]:
+    """Ray actor options that replace a dead actor and retry the calls it had not finished, at most
+    ``ACTOR_RESTARTS`` times (its batch is redone whole; finished batches are already written)."""
+    return {**options, "max_restarts": ACTOR_RESTARTS, "max_task_retries": ACTOR_RESTARTS}
+
+
+def get_result(ref: object, what: str) -> object:
+    """``ray.get(ref)``; when the actor died more often than it may be replaced, a RuntimeError that names
+    ``what`` (the stage and the work of the call) and how to resume."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(
+            f"{what}: the Ray actor died {ACTOR_RESTARTS + 1} times ({type(e).__name__}); finished work is "
+            f"kept, so rerunning the stage resumes"
+        ) from None
+
+
 def shutdown_ray() -> None:
     """Stop the Ray this process started (its actors, raylet and GCS), or leave the cluster it joined;
     nothing when Ray was never started."""

@@ -24,8 +24,15 @@ from tqdm.auto import tqdm
 from semspec.models.lm import LM, load_lm
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import Params, SampleConfig
-from semspec.tasks.io import ensure_manifest, file_md5, fixed_list, shard_paths, write_parquet_atomic
-from semspec.tasks.ray_utils import init_ray
+from semspec.tasks.io import (
+    ensure_manifest,
+    file_md5,
+    fixed_list,
+    shard_name,
+    shard_paths,
+    write_parquet_atomic,
+)
+from semspec.tasks.ray_utils import get_result, init_ray, restartable
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +102,6 @@ class SamplerActor:
     def sample(self, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
         """One batch of prefixes -> its shard."""
         return sample_rows(self.lm, role, prefixes, cfg)
-
-
-def shard_name(prefix_ids: list[str]) -> str:
-    """Deterministic shard file name for a batch of prefixes."""
-    return f"part-{hashlib.sha1(','.join(sorted(prefix_ids)).encode()).hexdigest()[:16]}.parquet"
 
 
 def done_prefixes(folder: Path) -> set[str]:
@@ -206,7 +208,7 @@ def _run_ray(cfg, pair, work, folders, total, lms) -> None:
     pools: dict[str, list] = {}
     for role in roles:
         spec = pair.role(role)
-        opts = {"num_cpus": cpus, "num_gpus": 1 if spec.uses_cuda else 0}
+        opts = restartable(num_cpus=cpus, num_gpus=1 if spec.uses_cuda else 0)
         pools[role] = [remote_cls.options(**opts).remote(spec, cpus) for _ in range(cfg.actors_per_role)]
     queue = {role: [b for r, b in work if r == role] for role in roles}
     idle = {role: list(pools[role]) for role in roles}
@@ -220,7 +222,8 @@ def _run_ray(cfg, pair, work, folders, total, lms) -> None:
                     pending[actor.sample.remote(role, batch, cfg)] = (role, actor, batch)
             ready, _ = ray.wait(list(pending), num_returns=1)
             role, actor, batch = pending.pop(ready[0])
-            _write(folders[role], batch, ray.get(ready[0]))
+            ids = ", ".join(r["prefix_id"] for r in batch)
+            _write(folders[role], batch, get_result(ready[0], f"sample[{role}] of prefixes {ids}"))
             prog.update(len(batch))
             idle[role].append(actor)
             if role in pools and not queue[role] and not any(r == role for r, _, _ in pending.values()):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -168,3 +169,167 @@ def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path):
     assert rc == [-signal.SIGKILL]
     _, alive = psutil.wait_procs(ray_procs, timeout=30)
     assert not alive, f"{len(alive)} Ray process(es) outlived the stage"
+
+
+CLUSTER_SCRIPT = """
+import sys, time
+from pathlib import Path
+import torch
+from semspec.models.judges import EmbeddingJudge
+from semspec.models.project import load_pair
+from semspec.tasks.cluster import run_cluster
+from semspec.tasks.config import ClusterConfig
+tmp = Path(sys.argv[1])
+def slow(texts):
+    time.sleep(0.25)
+    return torch.tensor([[1.0, float(len(t) // 3)] for t in texts])
+cfg = ClusterConfig(executor="local", batch_prefixes=1)
+run_cluster(cfg, load_pair(tmp / "tiny.yaml"), tmp / "samples", tmp / "labels", tmp / "prefixes.parquet",
+            judge=EmbeddingJudge(slow, threshold=0.999))
+"""
+
+
+def _fake_samples(tmp_path, n_prefixes: int = 10, n: int = 4) -> None:
+    """Sample shards and prefixes as the sample and ingest stages write them (the fields cluster reads);
+    prefix p3 has only empty samples (no valid sample: no label rows, but done)."""
+    import pyarrow as pa
+
+    from semspec.tasks.io import shard_name, write_parquet_atomic
+
+    prefixes = [
+        {"prefix_id": f"p{i}", "question": f"q{i}", "context": "", "domain": "math"}
+        for i in range(n_prefixes)
+    ]
+    write_parquet_atomic(pa.Table.from_pylist(prefixes), tmp_path / "prefixes.parquet")
+    for role in ("draft", "target"):
+        for p in prefixes:
+            rows = [
+                {
+                    "prefix_id": p["prefix_id"],
+                    "question_id": p["question"],
+                    "role": role,
+                    "sample_idx": k,
+                    "text": "" if p["prefix_id"] == "p3" else "x" * (3 * (k % 2) + len(p["prefix_id"])),
+                    "finish_reason": "delimiter",
+                }
+                for k in range(n)
+            ]
+            write_parquet_atomic(
+                pa.Table.from_pylist(rows), tmp_path / "samples" / role / shard_name([p["prefix_id"]])
+            )
+
+
+def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path):
+    import pyarrow.parquet as pq
+    import torch
+
+    from semspec.models.judges import EmbeddingJudge
+    from semspec.models.project import load_pair
+    from semspec.tasks.cluster import labelled_prefixes, run_cluster
+    from semspec.tasks.config import ClusterConfig
+
+    write_tiny_pair(tmp_path)
+    _fake_samples(tmp_path)
+    parts = tmp_path / "labels" / ".parts"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER_SCRIPT, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and len(list(parts.glob("*/part-*.parquet"))) < 5:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {f.name: f.stat().st_mtime_ns for f in parts.glob("*/part-*.parquet")}
+    assert 5 <= len(before) < 20, f"the kill should land mid-stage, found {len(before)} parts"
+    done = {r: labelled_prefixes(parts / r) for r in ("draft", "target")}
+    judged = []
+
+    def embed(texts):
+        judged.append(len(texts))
+        return torch.tensor([[1.0, float(len(t) // 3)] for t in texts])
+
+    cfg = ClusterConfig(executor="local", batch_prefixes=1)
+    pair = load_pair(tmp_path / "tiny.yaml")
+    out = run_cluster(
+        cfg,
+        pair,
+        tmp_path / "samples",
+        tmp_path / "labels",
+        tmp_path / "prefixes.parquet",
+        judge=EmbeddingJudge(embed, threshold=0.999),
+    )
+    # p3 has no valid sample, so it is never judged; every other prefix is judged once, in one call
+    todo = [(r, f"p{i}") for r in ("draft", "target") for i in range(10) if f"p{i}" not in done[r]]
+    assert len(judged) == sum(p != "p3" for _, p in todo), "finished parts are not labelled again"
+    for role in ("draft", "target"):
+        rows = pq.read_table(out[role]).to_pylist()
+        keys = {(r["prefix_id"], r["sample_idx"]) for r in rows}
+        assert len(rows) == len(keys) == 9 * 4, "every valid sample labelled exactly once"
+        assert {r["prefix_id"] for r in rows} == {f"p{i}" for i in range(10)} - {"p3"}
+    assert not parts.exists(), "the parts are removed once the labels are whole"
+    # a rerun with other settings does not reuse stale parts
+    parts.mkdir()
+    (parts / "_manifest.json").write_text("{}")
+    judged.clear()
+    run_cluster(
+        cfg,
+        pair,
+        tmp_path / "samples",
+        tmp_path / "labels",
+        tmp_path / "prefixes.parquet",
+        judge=EmbeddingJudge(embed, threshold=0.999),
+    )
+    assert len(judged) == 18
+
+
+def _kill_actors(title: str, times: int, stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL processes running ``title`` (Ray names an actor's process after the call it runs) until
+    ``times`` were killed or ``stop`` is set."""
+    import psutil
+
+    while not stop.is_set() and len(killed) < times:
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if p.info["cmdline"] and p.info["cmdline"][0].startswith(title) and p.pid not in killed:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+                    killed.append(p.pid)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kills", [1, 3])
+def test_a_killed_ray_actor_is_replaced_and_its_batch_redone_then_a_clear_failure(tmp_path, kills):
+    from semspec.tasks.config import load_params
+    from semspec.tasks.ingest import run_ingest
+    from semspec.tasks.io import read_shards
+    from semspec.tasks.ray_utils import shutdown_ray
+    from semspec.tasks.sample import run_sample
+
+    pair = write_tiny_pair(tmp_path, draft_hidden=128, target_hidden=128, layers=4)
+    overrides = ["ingest.max_questions=6", "sample.executor=ray", "sample.batch_prefixes=2", "sample.n=8"]
+    p = load_params(
+        profile="tiny", overrides=[*overrides, "sample.max_step_tokens=48", "sample.roles=[draft]"]
+    )
+    prefixes = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_actors, args=("ray::SamplerActor.sample", kills, stop, killed))
+    killer.start()
+    try:
+        if kills == 1:
+            run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+            rows = read_shards(tmp_path / "samples" / "draft", ["prefix_id", "sample_idx"]).to_pylist()
+            n = len({r["prefix_id"] for r in rows})
+            assert len(rows) == len({(r["prefix_id"], r["sample_idx"]) for r in rows}) == n * 8
+        else:  # one more death than the actor may be replaced: the error names the batch's prefixes
+            with pytest.raises(
+                RuntimeError, match=r"sample\[draft\] of prefixes .+: the Ray actor died 3 times"
+            ):
+                run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+    finally:
+        stop.set()
+        killer.join()
+        shutdown_ray()
+    assert len(killed) == kills, "the actor must have been killed mid-batch"
