@@ -127,13 +127,23 @@ def _record(svc: Service, root: Path) -> dict | None:
         return None
 
 
+def _since_boot(proc: psutil.Process) -> float:
+    """When ``proc`` started, in seconds after boot: unlike its start time on the wall clock, this never
+    changes when the clock is adjusted (NTP), which would make a running service look dead."""
+    return proc.create_time() - psutil.boot_time()
+
+
 def _alive(rec: dict | None) -> psutil.Process | None:
     """The recorded process if it still runs (same PID and start time), else None."""
     if not rec:
         return None
     try:
         proc = psutil.Process(rec["pid"])
-        if abs(proc.create_time() - rec["create_time"]) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+        if "since_boot" in rec:
+            same = abs(_since_boot(proc) - rec["since_boot"]) < 2.0
+        else:  # a record written before start times were kept relative to boot
+            same = abs(proc.create_time() - rec["create_time"]) < 1.0
+        if same and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     except (psutil.Error, KeyError):
         pass
@@ -174,7 +184,8 @@ def start(svc: Service, root: Path | None = None, echo: Callable[[str], None] = 
         proc = subprocess.Popen(
             svc.argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    rec = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "argv": svc.argv}
+    ps = psutil.Process(proc.pid)
+    rec = {"pid": proc.pid, "create_time": ps.create_time(), "since_boot": _since_boot(ps), "argv": svc.argv}
     write_json_atomic(rec, d / f"{svc.name}.json")  # a kill never leaves a half-written PID record
     echo(f"{svc.name}: started (pid {proc.pid}, log {logfile})")
     deadline = time.monotonic() + svc.ready_timeout

@@ -238,6 +238,11 @@ class _Row:
         """Whether the row has used its budget or ended with EOS."""
         return self.res.output_tokens >= s.max_new_tokens or self.res.finish_reason == "eos"
 
+    def used(self, ahead: Sequence[StepSample], base: int | None = None) -> int:
+        """Output tokens a step written after the steps ``ahead`` starts from: ``base`` (default the
+        row's output so far) plus what those steps use."""
+        return (self.res.output_tokens if base is None else base) + sum(x.num_tokens for x in ahead)
+
 
 def _share(rows: list[_Row], seconds: float) -> None:
     """Divide the time of a batched call among the rows it served."""
@@ -349,7 +354,7 @@ class SingleModelDecoder(BatchDecoder):
         s = self.settings
 
         def more(b: int, done: list[StepSample]) -> int | None:
-            used = rows[b].res.output_tokens + sum(x.num_tokens for x in done)
+            used = rows[b].used(done)
             if len(done) > s.lookahead or used >= s.max_new_tokens:
                 return None
             return _step_budget(s, self.model, used)
@@ -435,7 +440,7 @@ class _DraftTarget(BatchDecoder):
 
         def more(b: int, done: list[StepSample]) -> int | None:
             # what the round's earlier proposals use counts against the output budget too
-            used = rows[b].res.output_tokens + sum(x.num_tokens for x in done)
+            used = rows[b].used(done)
             if used >= s.max_new_tokens or len(done) >= gamma + lookahead:
                 return None
             budgets[b].append(_step_budget(s, self.draft, used))
@@ -569,9 +574,8 @@ class SemanticSpecDecoder(_DraftTarget):
                 if i % s.gamma == 0:
                     start_used[row.index] = row.res.output_tokens
                 step, budget = proposals[row.index][i]
-                used = start_used[row.index] + sum(
-                    x.num_tokens for x, _ in proposals[row.index][i - i % s.gamma : i]
-                )
+                ahead = [x for x, _ in proposals[row.index][i - i % s.gamma : i]]
+                used = row.used(ahead, base=start_used[row.index])
                 if self._valid(row, step, budget, used):
                     current.append(row)
                 else:  # written ahead under another budget: drop it and the rest, draft again next round

@@ -743,15 +743,14 @@ class LM:
                 if done is None and len(tokens[i]) - plen[i] < budget[i]:
                     going.append(b)
                     continue
-                text, reason = done or (self.tokenizer.decode(tokens[i], skip_special_tokens=True), "length")
+                whole = None if done else self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+                text, reason = done or (whole, "length")
                 pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - plen[i]))
                 runs[i].samples.append(StepSample(text, tokens[i], reason, pooled, float(lp_sum[i])))
                 # a next step continues the cache as is only when the step is exactly its tokens
-                exact = (
-                    reason != "eos"
-                    and text
-                    and self.tokenizer.decode(tokens[i], skip_special_tokens=True) == text
-                )
+                if reason not in ("length", "eos") and text:
+                    whole = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+                exact = reason != "eos" and bool(text) and whole == text
                 nxt_budget = more(i, runs[i].samples) if more is not None and exact else None
                 if nxt_budget is None or nxt_budget < 1:
                     leaving.append(b)

@@ -60,15 +60,30 @@ def test_a_service_that_exits_reports_its_log(tmp_path: Path):
     assert "cannot start: no config" in str(e.value)
 
 
-def test_stop_never_signals_a_process_it_did_not_start(tmp_path: Path):
+@pytest.mark.parametrize("since_boot", [True, False])
+def test_stop_never_signals_a_process_it_did_not_start(tmp_path: Path, since_boot: bool):
     d = state_dir(tmp_path)
     d.mkdir()
     me = psutil.Process(os.getpid())  # a recycled PID: same number, another start time
-    (d / "web.json").write_text(
-        json.dumps({"pid": me.pid, "create_time": me.create_time() - 100, "argv": []})
-    )
+    rec = {"pid": me.pid, "create_time": me.create_time() - 100, "argv": []}
+    if since_boot:
+        rec["since_boot"] = me.create_time() - psutil.boot_time() - 100
+    (d / "web.json").write_text(json.dumps(rec))
     assert not stop(http_service(free_port()), tmp_path)
     assert me.is_running() and not (d / "web.json").exists()
+
+
+def test_a_service_stays_ours_when_the_wall_clock_moves(tmp_path: Path):
+    """NTP moves the boot time psutil reports, and with it every process's wall-clock start time: a
+    running service must still be recognised (and stopped), or `services up` takes its port for a
+    stranger's."""
+    svc = http_service(free_port())
+    start(svc, tmp_path)
+    path = state_dir(tmp_path) / "web.json"
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "create_time": rec["create_time"] - 30}))  # the clock moved 30 s
+    assert svcs._alive(json.loads(path.read_text())) is not None
+    assert stop(svc, tmp_path) and not port_in_use(svc.port)
 
 
 def test_status_and_ports_come_from_the_environment(tmp_path: Path, monkeypatch):
