@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -123,17 +124,68 @@ def test_a_foreign_web_page_cannot_drive_either_api(project):
     assert r.headers.get("access-control-allow-origin") in (None, "")
 
 
-def test_full_deployment_runs_the_pipeline_and_records_it_in_dvc(project):
-    out = project.run("semspec", "run").stdout  # the README's way: the flow run followed in the terminal
-    assert "\x1b[" not in out, "no raw ANSI codes in the terminal"
-    for stage in ("sample", "evaluate"):  # each stage's progress (done/total, rate, ETA) streams as it runs
-        assert re.search(rf"{stage}: +\d+%\|.*\| \d+/\d+ \[", out), f"no {stage} progress in:\n{out[-3000:]}"
+def _stage_process(stage: str) -> psutil.Process | None:
+    """The running `semspec <stage>` command (the stage the flow is in), if any."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if stage in cmd[:3] and any(c.endswith("/semspec") for c in cmd[:2]):
+            return p
+    return None
+
+
+def _pid(project: Project, service: str) -> int:
+    return json.loads((project.root / f".services/{service}.json").read_text())["pid"]
+
+
+def test_full_deployment_survives_a_killed_prefect_server_and_records_it_in_dvc(project):
+    """The README's way (`semspec run`: the flow run followed in the terminal), with the Prefect server
+    SIGKILLed while the flow runs `train`: the terminal says the API was lost; the flow run goes on without
+    its server (Prefect 3 runs tasks client-side) and DVC records each stage it finishes; `semspec services
+    up` starts the server again over its stale PID record; the next run redoes nothing DVC recorded and
+    runs whatever is left."""
+    follow = subprocess.Popen(
+        ["semspec", "run"],
+        cwd=project.root,
+        env=project.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 1500
+    while _stage_process("train") is None and follow.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert follow.poll() is None, "the flow must still be running `train`"
+    flow_run = psutil.Process(_pid(project, "serve")).children(recursive=True)  # the flow run and its stage
+    server = psutil.Process(_pid(project, "prefect"))
+    for p in [server, *server.children(recursive=True)]:
+        p.kill()
+    lost, _ = follow.communicate(timeout=600)
+    assert follow.returncode != 0 and "semspec services up" in lost, lost[-3000:]
+    _, alive = psutil.wait_procs(flow_run, timeout=900)  # the lost run ends (done, or given up)
+    assert not alive, "the lost flow run must end by itself"
+    changed = json.loads(project.run("dvc", "status", "--json").stdout or "{}")
+    assert not {"ingest", "sample", "cluster", "train"} & set(changed), "stages the lost run finished"
+    status = subprocess.run(
+        ["semspec", "services", "status"], cwd=project.root, env=project.env, text=True, capture_output=True
+    )
+    assert re.search(r"^prefect\s+dead", status.stdout, re.M), status.stdout
+    up = project.run("semspec", "services", "up", timeout=400).stdout
+    assert "prefect: ready" in up and "mlflow: already running" in up, up
+
+    out = project.run("semspec", "run").stdout
+    assert "\x1b[" not in lost + out, "no raw ANSI codes in the terminal"
+    # each stage's progress (done/total, rate, ETA) streams as it runs
+    for stage in ("sample", *(["evaluate"] if "evaluate" in changed else [])):
+        text = lost if stage == "sample" else out
+        assert re.search(rf"{stage}: +\d+%\|.*\| \d+/\d+ \[", text), (
+            f"no {stage} progress in:\n{text[-3000:]}"
+        )
     assert f"{project.api.removesuffix('/api')}/runs/flow-run/" in out
     assert f"Compare the probes (MLflow): {project.mlflow}/#/compare-runs?runs=" in out
     report = project.artifact("semspec-embedded")
     assert "## Compare the probe variants" in report
     for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
-        assert f"| {stage} | dvc | ran |" in report
+        assert f"| {stage} | dvc | {'ran' if stage in changed else 'up to date'} |" in report, report
     assert "## Decode smoke test (registered champion probes)" in report and "probe-target-all" in report
     assert "Data and pipelines are up to date" in project.run("dvc", "status").stdout
     assert (project.root / "dvc.lock").is_file()
