@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -60,3 +63,20 @@ def project_environ(dest: Path, prefect_port: int, mlflow_port: int) -> dict[str
     )
     env.update(project_env(dest, Settings.from_env(env)))  # the copy's values win over anything inherited
     return env
+
+
+def kill_mid_run(script: str, arg: Path, ready: Callable[[], bool], timeout: float) -> None:
+    """Run ``python -c script arg`` from the project root and SIGKILL it once ``ready()`` holds (or it
+    ends, or ``timeout`` seconds pass): a stage killed mid-run, as by the OOM killer."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(arg)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

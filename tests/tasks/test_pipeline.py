@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +21,8 @@ from semspec.tasks.io import read_shards
 from semspec.tasks.sample import run_sample
 from semspec.tasks.train import split_by_question
 from tests.helpers.pipeline import write_tiny_pair
+from tests.helpers.project import kill_mid_run
 from tests.helpers.tiny import boost_tokens
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _judge():
@@ -377,20 +372,8 @@ def test_sample_resumes_after_a_kill(tmp_path):
     pair = write_tiny_pair(tmp_path, draft_hidden=128, target_hidden=128, layers=4)
     p = load_params(profile="tiny", overrides=["ingest.max_questions=8"])
     run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAMPLE_SCRIPT, str(tmp_path)],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     shards = tmp_path / "samples" / "draft"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and len(list(shards.glob("part-*.parquet"))) < 2:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_mid_run(SAMPLE_SCRIPT, tmp_path, lambda: len(list(shards.glob("part-*.parquet"))) >= 2, 120)
     before = {f.name: f.stat().st_mtime_ns for f in shards.glob("part-*.parquet")}
     assert 2 <= len(before) < 8, f"the kill should land mid-stage, found {len(before)} shards"
     # rerun in-process: only the missing prefixes are sampled, finished shards are not rewritten

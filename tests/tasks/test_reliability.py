@@ -17,7 +17,7 @@ from semspec.models.decoding import SingleModelDecoder
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.evaluate import run_evaluate
 from tests.helpers.pipeline import write_tiny_pair
-from tests.helpers.project import ROOT
+from tests.helpers.project import ROOT, kill_mid_run
 
 pytestmark = pytest.mark.reliability
 
@@ -36,22 +36,9 @@ run_evaluate(cfg, load_pair(tmp / "tiny.yaml"), tmp / "eval", log_mlflow=False)
 def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_path, monkeypatch):
     pair = write_tiny_pair(tmp_path, max_step_tokens=4, draft_hidden=128, target_hidden=128, layers=4)
     rows = tmp_path / "eval" / "arith" / "target.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EVALUATE_SCRIPT, str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    kill_mid_run(
+        EVALUATE_SCRIPT, tmp_path, lambda: rows.exists() and len(rows.read_text().splitlines()) >= 4, 240
     )
-    deadline = time.time() + 240
-    while (
-        time.time() < deadline
-        and proc.poll() is None
-        and (not rows.exists() or len(rows.read_text().splitlines()) < 4)
-    ):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     before = [line for line in rows.read_text().splitlines() if line.endswith("}")]
     assert 4 <= len(before) < 12, f"the kill should land mid-stage, found {len(before)} rows"
     decoded = []
@@ -231,20 +218,9 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path):
     write_tiny_pair(tmp_path)
     _fake_samples(tmp_path)
     parts = tmp_path / "labels" / ".parts"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLUSTER_SCRIPT, str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and len(list(parts.glob("*/part-*.parquet"))) < 5:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    before = {f.name: f.stat().st_mtime_ns for f in parts.glob("*/part-*.parquet")}
-    assert 5 <= len(before) < 20, f"the kill should land mid-stage, found {len(before)} parts"
+    kill_mid_run(CLUSTER_SCRIPT, tmp_path, lambda: len(list(parts.glob("*/part-*.parquet"))) >= 5, 120)
+    n_parts = len(list(parts.glob("*/part-*.parquet")))
+    assert 5 <= n_parts < 20, f"the kill should land mid-stage, found {n_parts} parts"
     done = {r: labelled_prefixes(parts / r) for r in ("draft", "target")}
     judged = []
 
