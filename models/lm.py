@@ -2,11 +2,17 @@
 
 One code path serves the Hub, a local folder and the GGUF files shipped in PyPI packages.
 
-Hidden-state pooling (shared by sampling, training and decoding):
+Hidden-state pooling (shared by sampling, training and decoding; the pair's ``pooling``):
 a step with tokens ``s_0 .. s_{k-1}`` written after a context ``c_0 .. c_{m-1}`` is summarised by
-the mean, over the positions whose outputs *predict* the step's tokens — the last context position
-``c_{m-1}`` and the step tokens ``s_0 .. s_{k-2}`` — of every layer's hidden state. From the pooled
-``(L+1, D)`` matrix (embeddings + L blocks) we keep:
+the mean of every layer's hidden state over
+
+* ``predict``: the positions whose outputs *predict* the step's tokens — the last context position
+  ``c_{m-1}`` and the step tokens ``s_0 .. s_{k-2}`` (all known when the step ends);
+* ``tokens``: the step's own tokens ``s_0 .. s_{k-1}`` (the paper's wording). The output at ``s_{k-1}``
+  exists only once that token is fed, which generation does at the start of the next step (or in one
+  extra batched forward when there is none). An EOS token is not a step token and is not pooled.
+
+From the pooled ``(L+1, D)`` matrix (embeddings + L blocks) we keep:
 
 * ``h_last``   ``[D]``: the last layer (after the final norm);
 * ``h_mean``   ``[D]``: the mean over the L block outputs (the paper's all-layer feature);
@@ -51,7 +57,7 @@ def pick_device(device: str) -> torch.device:
 
 @dataclass
 class Pooled:
-    """Hidden states pooled over the positions that predict a step's tokens."""
+    """Hidden states pooled over a step's positions (see the module docstring)."""
 
     h_layers: torch.Tensor  # (L+1, D) float32, layer 0 = embeddings
 
@@ -134,11 +140,30 @@ class StepSample:
     finish_reason: str  # delimiter | eos | length
     pooled: Pooled
     logprob: float  # sum of the sampled tokens' log-probabilities (after temperature / top-p)
+    # ``tokens`` pooling still owed the output at the last token: (sum over the others (L+1, D), count)
+    pending: tuple[torch.Tensor, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         """Number of tokens the model produced for this step."""
         return len(self.token_ids)
+
+    def close_pooling(self, last_hidden: torch.Tensor) -> None:
+        """``tokens`` pooling: add the output at the step's last token, ``(L+1, D)``, once it was fed."""
+        if self.pending is not None:
+            rest, count = self.pending
+            self.pooled, self.pending = Pooled((rest + last_hidden) / count), None
+
+
+def _pool_tokens(sample: StepSample, rest: torch.Tensor, count: int) -> None:
+    """Switch ``sample`` to ``tokens`` pooling. ``rest`` (L+1, D): the summed outputs at its first
+    ``count - 1`` new tokens. An EOS step is complete already (EOS is no step token); otherwise the output
+    at the last token is owed (``StepSample.close_pooling``)."""
+    if sample.finish_reason == "eos":
+        if count > 1:
+            sample.pooled = Pooled(rest / (count - 1))
+        return
+    sample.pending = (rest, count)
 
 
 NextBudget = Callable[[int, list[StepSample]], int | None]
@@ -484,7 +509,8 @@ class LM:
                 # 2. per-token log-probs of the step's tokens
                 pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
                 lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-            scores.append(StepScore(Pooled(pos_hidden.mean(dim=0)), ids, lp, state, pos_hidden))
+            at = hidden if self.spec.pooling == "tokens" else pos_hidden  # (k, L+1, D)
+            scores.append(StepScore(Pooled(at.mean(dim=0)), ids, lp, state, pos_hidden))
         return scores
 
     @torch.inference_mode()
@@ -510,13 +536,16 @@ class LM:
         st, n, ids = score.state, len(context.ids), score.token_ids[:keep]
         if score.pred_hidden is None or not fits_window(st.cache, len(st.ids)):
             return None
+        at = score.pred_hidden  # (k, L+1, D): the pooled positions of the scored step, as it pools
+        if self.spec.pooling == "tokens":
+            at = torch.cat([score.pred_hidden[1:], st.hidden[None]])  # outputs at the step's own tokens
         # 1. the kept tokens may already end the step (a delimiter, EOS, the budget)
         for i in range(1, min(keep, max_tokens) + 1):
             done = self._check_stop(ids[:i])
             if done is not None or i == max_tokens:
                 text, reason = done or (self.tokenizer.decode(ids[:i], skip_special_tokens=True), "length")
                 crop_to(st.cache, n + i - 1)
-                sample = StepSample(text, ids[:i], reason, Pooled(score.pred_hidden[:i].mean(0)), 0.0)
+                sample = StepSample(text, ids[:i], reason, Pooled(at[:i].mean(0)), 0.0)
                 return StepStart(
                     context,
                     0,
@@ -571,7 +600,20 @@ class LM:
             )
             for _ in range(n)
         ]
-        return [run.samples[0] for run in self._sample_rows(starts, temperature, top_p, [gen] * n)]
+        runs = self._sample_rows(starts, temperature, top_p, [gen] * n)
+        samples = [run.samples[0] for run in runs]
+        self._close_pooling(samples, [run.cache for run in runs])
+        return samples
+
+    def _close_pooling(self, samples: list[StepSample], caches: list[Cache]) -> None:
+        """``tokens`` pooling of steps whose last token no loop fed: feed it after each row's cache (which
+        holds everything but that token; extended here) in one padded forward, and pool its output."""
+        owed = [b for b, s in enumerate(samples) if s.pending is not None]
+        if not owed:
+            return
+        fed = self.forward_rows([caches[b] for b in owed], [[samples[b].token_ids[-1]] for b in owed])
+        for b, (_, hidden, _) in zip(owed, fed, strict=True):
+            samples[b].close_pooling(hidden[-1])  # (L+1, D) at the step's last token
 
     @torch.inference_mode()
     def decode_step(
@@ -655,6 +697,7 @@ class LM:
             [runs[i].cache for i, _ in tails],
         )
         for (i, _), (_, state) in zip(tails, finished, strict=True):
+            runs[i].samples[-1].close_pooling(state.hidden)  # ``tokens`` pooling: the last token's output
             out[i] = (runs[i].samples, state)
         return out
 
@@ -705,7 +748,8 @@ class LM:
         batch (or, see ``decode_runs``, go on with their next step). Row caches are stacked left-padded for
         the loop (or, when they cannot be, rows run one after another); each row gets back its own cache
         holding its context, prefix and sampled tokens but the last. Pooled states cover the positions
-        predicting each step's newly sampled tokens."""
+        predicting each step's newly sampled tokens, or with ``tokens`` pooling those tokens' own (a step
+        that ends the loop owes its last one: ``StepSample.pending``)."""
         if not starts:
             return []
         caches = [st.source.cache for st in starts]
@@ -724,6 +768,8 @@ class LM:
         hidden = torch.stack([st.source.hidden for st in starts])  # (B, L+1, D)
         rows = list(range(n))  # batch row -> start index
         hsum = torch.zeros(n, self.num_layers + 1, self.hidden_size)  # (n, L+1, D)
+        # ``tokens`` pooling: (n, L+1, D) the output predicting a step's first token, which it leaves out
+        hfirst = torch.zeros_like(hsum) if self.spec.pooling == "tokens" else None
         lp_sum = torch.zeros(n)
         tokens = [list(st.prefix) for st in starts]
         plen, budget = [len(st.prefix) for st in starts], [st.max_tokens for st in starts]
@@ -733,6 +779,10 @@ class LM:
             # 1. pool the position that predicts the token about to be sampled
             idx = torch.tensor(rows)
             hsum[idx] += hidden
+            if hfirst is not None:
+                for b, i in enumerate(rows):
+                    if len(tokens[i]) == plen[i]:
+                        hfirst[i] = hidden[b]
             # 2. sample one token per live row; sort the rows: still in their step, on to the next, leaving
             nxt, lp = _sample(logits, warpers, [gens[i] for i in rows], temperature)  # (B,), (B,)
             lp_sum[idx] += lp
@@ -745,8 +795,13 @@ class LM:
                     continue
                 whole = None if done else self.tokenizer.decode(tokens[i], skip_special_tokens=True)
                 text, reason = done or (whole, "length")
-                pooled = Pooled(hsum[i] / max(1, len(tokens[i]) - plen[i]))
-                runs[i].samples.append(StepSample(text, tokens[i], reason, pooled, float(lp_sum[i])))
+                count = len(tokens[i]) - plen[i]
+                sample = StepSample(
+                    text, tokens[i], reason, Pooled(hsum[i] / max(1, count)), float(lp_sum[i])
+                )
+                if hfirst is not None:
+                    _pool_tokens(sample, hsum[i] - hfirst[i], count)
+                runs[i].samples.append(sample)
                 # a next step continues the cache as is only when the step is exactly its tokens
                 if reason not in ("length", "eos") and text:
                     whole = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
@@ -793,6 +848,7 @@ class LM:
             for b, i in enumerate(rows):
                 if i in turned:
                     runs[i].boundary = (lens[i] + fed, logits[b].clone(), hidden[b].clone())
+                    runs[i].samples[-1].close_pooling(hidden[b])  # the output at its step's last token
         return runs
 
     def _check_stop(self, toks: list[int]) -> tuple[str, str] | None:

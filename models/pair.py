@@ -18,6 +18,7 @@ MODEL_SOURCES = (*SOURCES, "parts")  # parts: one GGUF file split over several P
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 PROMPTS = ("auto", "chat", "plain")
 JUDGE_KINDS = ("embedding", "nli")
+POOLINGS = ("predict", "tokens")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 
 
@@ -61,6 +62,9 @@ class ModelSpec:
     where: str = field(default="model", repr=False, compare=False)
     # what a step is (models/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
     split: str = field(default="paragraph", init=False)
+    # which positions a step's hidden states are pooled over (models/lm.py): the pair's `pooling`, set by
+    # PairConfig, never per model: both probes and both models of a pair pool alike
+    pooling: str = field(default="predict", init=False)
 
     def __post_init__(self) -> None:
         w = self.where
@@ -167,8 +171,16 @@ class PairConfig:
     target: ModelSpec
     judge: JudgeSpec = field(default_factory=JudgeSpec)
     description: str = ""
+    # predict: the positions whose outputs predict the step's tokens; tokens: the step's own tokens (the
+    # paper's wording). Sampling, training and decoding all read it; a probe records it and decoding
+    # refuses a probe pooled otherwise
+    pooling: str = "predict"
 
     def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pair: field 'pooling' must be one of {POOLINGS}, got {self.pooling!r}")
+        for spec in (self.draft, self.target):
+            spec.pooling = self.pooling
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name or ""):
             raise ValueError(
                 f"pair: field 'name' must be letters, digits, '.', '_' or '-' (used in registry names), "
@@ -189,7 +201,7 @@ class PairConfig:
         missing = [k for k in ("name", "draft", "target") if k not in data]
         if missing:
             raise ValueError(f"{where}: missing field(s) {missing}")
-        unknown = sorted(set(data) - {"name", "draft", "target", "judge", "description"})
+        unknown = sorted(set(data) - {"name", "draft", "target", "judge", "description", "pooling"})
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
         return cls(
@@ -198,4 +210,5 @@ class PairConfig:
             target=from_mapping(ModelSpec, data["target"], f"{where}.target"),
             judge=from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
             description=str(data.get("description", "")),
+            pooling=data.get("pooling", "predict"),
         )

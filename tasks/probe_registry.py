@@ -156,11 +156,13 @@ def load_probe(
     hidden_size: int,
     alias: str = CHAMPION,
     version: str | None = None,
+    pooling: str = "predict",
 ) -> tuple[nn.Module, ProbeRef]:
     """The registered probe ``semspec-<pair>-<role>-<variant>`` (``@alias``, or ``version`` when given),
     after checking from its tags — before any weights are read — that it was trained on the hidden
-    states of ``model_id`` with ``hidden_size``; its weights must match the sha256 tag. Every mismatch,
-    a pickle-format (old) version and a tampered file are clear ``ValueError``s."""
+    states of ``model_id`` with ``hidden_size``, pooled as ``pooling`` (versions without the tag predate
+    the setting: ``predict``); its weights must match the sha256 tag. Every mismatch, a pickle-format
+    (old) version and a tampered file are clear ``ValueError``s."""
     name = registered_name(pair, role, variant)
     mv = registered_version(pair, role, variant, alias, version)
     tags = mv.tags or {}
@@ -172,6 +174,12 @@ def load_probe(
         raise ValueError(
             f"probe {name} v{mv.version} expects hidden size {tags.get('hidden_size')}, "
             f"the model has {hidden_size}"
+        )
+    if tags.get("pooling", "predict") != pooling:
+        raise ValueError(
+            f"probe {name} v{mv.version} read hidden states pooled by {tags.get('pooling', 'predict')!r}, "
+            f"the pair pools by {pooling!r}: retrain the pair's probes (`semspec train --pair {pair}`) or "
+            f"set the pair file's `pooling` back"
         )
     where = f"probe {name} v{mv.version}"
     folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))

@@ -522,6 +522,7 @@ class _Trained:
             "hidden_size": str(self.data.hidden_size),
             "variant": self.variant,
             "feature": FEATURE_COLUMN.get(self.variant, "none"),
+            "pooling": run.pair.pooling,
             "domain": self.domain,
             "pair": run.pair.name,
             "role": self.role,
@@ -643,7 +644,7 @@ def _description(pair: PairConfig, role: str, key: str) -> str:
     spec = pair.role(role)
     return (
         f"SemanticSpec probe of pair {pair.name}, role {role} ({spec.model_id}). Reads {reads}, pooled over "
-        f"a reasoning step, and predicts the step's semantic probability: the share of the {role}'s sampled "
+        f"a reasoning step ({pair.pooling} pooling), and predicts the step's semantic probability: the share of the {role}'s sampled "
         f"continuations of the same prefix that mean the same thing. Trained on "
         f"{'every domain' if domain is None else f'the {domain} questions only'}. Decoding loads the version "
         f"with alias champion."
@@ -664,6 +665,7 @@ def _probe_params(
         "role": role,
         "variant": variant,
         "feature": FEATURE_COLUMN.get(variant, "none"),
+        "pooling": pair.pooling,
         "hidden": cfg.hidden(role) if variant != "random" else [],
         "lr": cfg.lr,
         "betas": cfg.betas,

@@ -68,10 +68,11 @@ def tiny_lm(
     hidden: int = 32,
     init: float = 0.02,
     eos_bias: float = 0.0,
+    pooling: str = "predict",
     **spec,
 ) -> LM:
     """An LM adapter over a tiny random Llama and a character tokenizer; ``boost`` and ``eos_bias`` make
-    the delimiter and EOS likelier."""
+    the delimiter and EOS likelier; ``pooling`` is the pair's (see models/lm.py)."""
     tok = char_tokenizer(merged)
     model = tiny_llama(len(tok), seed=seed, hidden=hidden, init=init)
     if boost or eos_bias:
@@ -87,6 +88,7 @@ def tiny_lm(
         max_step_tokens=max_step_tokens,
         **spec,
     )
+    s.pooling = pooling
     return LM(model, tok, s)
 
 

@@ -310,3 +310,38 @@ def test_each_problem_s_share_of_the_machine_adds_up_to_the_wall_time(pair):
     )
     alone = decoder.decode(QUESTIONS[0])
     assert alone.timings.share == pytest.approx(alone.timings.total, rel=0.05)
+
+
+@pytest.mark.parametrize("pooling", ["predict", "tokens"])
+def test_probes_read_what_a_prefill_of_the_proposal_pools(pooling):
+    """Whatever the pooling, the draft's probe reads what a prefill of its proposal would pool (though
+    batched decoding wrote it, often ahead, and a ``tokens`` step's last output came from the next
+    step's loop or the final feed), and the target's probe what its prefill of the proposal pools."""
+    kw = {"boost": 2.0, "init": 0.2, "max_step_tokens": 8, "pooling": pooling}
+    draft = tiny_lm(seed=0, eos_bias=0.5, **kw)  # one character tokenizer: every text re-tokenises alike
+    target = tiny_lm(seed=1, eos_bias=1.0, hidden=64, **kw)
+    for lm in (draft, target):  # ... once no model writes <s> or <pad> (their text is empty)
+        with torch.no_grad():
+            lm.model.lm_head.bias[list(set(lm.tokenizer.all_special_ids) - lm.eos_ids)] = -1e4
+
+    def q_probe(pooled):
+        return float(torch.sigmoid(pooled.h_mean.sum() * 4.0))
+
+    def p_probe(pooled):
+        return float(torch.sigmoid(pooled.h_last.sum()))
+
+    s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, lookahead=3)
+    results = SemanticSpecDecoder(draft, target, q_probe, p_probe, s).decode_batch(QUESTIONS, batch_size=4)
+    checked = 0
+    for question, res in zip(QUESTIONS, results, strict=True):
+        written = ""
+        for st in res.steps:
+            proposal = st.proposal if st.proposal is not None else st.text
+            if st.q is not None and proposal:
+                ctx = draft.format_prompt(question) + written
+                assert st.q == pytest.approx(q_probe(draft.score_step(ctx, proposal).pooled), abs=1e-4)
+                assert st.p == pytest.approx(p_probe(target.score_step(ctx, proposal).pooled), abs=1e-4)
+                checked += 1
+            written += st.text
+    assert checked > 10
+    assert {st.author for r in results for st in r.steps} == {"draft", "target"}

@@ -74,9 +74,10 @@ def test_seed_makes_sampling_reproducible():
     assert [s.token_ids for s in a] != [s.token_ids for s in c]
 
 
+@pytest.mark.parametrize("pooling", ["predict", "tokens"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_pooling_at_generation_equals_pooling_at_prefill(temperature):
-    lm = tiny_lm(boost=2.0)  # character tokenizer: re-tokenising the text gives the same ids
+def test_pooling_at_generation_equals_pooling_at_prefill(temperature, pooling):
+    lm = tiny_lm(boost=2.0, pooling=pooling)  # character tokenizer: re-tokenising gives the same ids
     ctx = "Question: what is 3*4?\nAnswer:"
     state = lm.prefill(ctx)
     samples = lm.generate_step(state, n=4, temperature=temperature, top_p=1.0, max_tokens=16, seed=0)
@@ -91,6 +92,41 @@ def test_pooling_at_generation_equals_pooling_at_prefill(temperature):
             assert (a - b).abs().max() < 1e-3 * a.abs().mean()
     # the state passed in is not modified by sampling or scoring
     assert state.cache.get_seq_length() == len(state.ids)
+
+
+@pytest.mark.parametrize("reason", ["delimiter", "length", "eos"])
+def test_each_pooling_averages_the_positions_it_names(reason):
+    """Against one plain forward over context + step: ``predict`` pools the outputs at the last context
+    position and all step tokens but the last; ``tokens`` the outputs at the step's own tokens (an EOS
+    that ends the step is none of them). Both in generation and in prefill."""
+    ctx = "Question: what is 3*4?\nAnswer:"
+    eos = reason == "eos"
+    pooled = {}
+    for pooling in ("predict", "tokens"):
+        lm = tiny_lm(pooling=pooling, boost=3.0, eos_bias=1.0)
+        samples = lm.generate_step(ctx, n=16, temperature=1.0, top_p=1.0, max_tokens=12, seed=1)
+        special = set(lm.tokenizer.all_special_ids) - lm.eos_ids  # random models emit <s>/<pad> too
+        s = next(
+            x
+            for x in samples
+            if x.finish_reason == reason and x.num_tokens >= 3 and not special & set(x.token_ids)
+        )
+        assert s.pending is None
+        m = len(lm.encode(ctx))
+        ids = torch.tensor([lm.encode(ctx) + s.token_ids])
+        with torch.no_grad():
+            out = lm.model(ids, output_hidden_states=True)
+        h = torch.stack(out.hidden_states, dim=2)[0].float()  # (m + k, L+1, D)
+        k = len(s.token_ids) - eos  # the step's tokens, EOS excluded
+        want = h[m - 1 : m + k - 1] if pooling == "predict" else h[m : m + k]
+        if pooling == "predict" and eos:
+            want = h[m - 1 : m + k]  # predict pools the position that predicted the EOS too
+        assert torch.allclose(s.pooled.h_layers, want.mean(0), atol=1e-4)
+        if not eos:
+            sc = lm.score_step(ctx, s.text)
+            assert torch.allclose(sc.pooled.h_layers, want.mean(0), atol=1e-4)
+        pooled[pooling] = s.pooled.h_layers
+    assert not torch.allclose(pooled["predict"], pooled["tokens"], atol=1e-3)
 
 
 def test_score_step_logprobs_match_greedy_generation():

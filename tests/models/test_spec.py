@@ -46,6 +46,7 @@ BASE = yaml.safe_load((pairs_dir() / "embedded.yaml").read_text())
         (("judge", "threshold"), 1.5, "threshold"),
         (("judge", "nli_mode"), "loose", "nli_mode"),
         (("name",), "bad name!", "name"),
+        (("pooling",), "mean", "pooling"),
     ],
 )
 def test_bad_field_is_named(path, value, field):
@@ -76,6 +77,15 @@ def test_unknown_and_missing_fields(tmp_path):
     data["draft"]["split"] = "sentence"  # params.yaml's split_strategy decides, for both models at once
     with pytest.raises(ValueError, match=r"unknown field.*split"):
         PairConfig.from_dict(data)
+    data = copy.deepcopy(BASE)
+    data["draft"]["pooling"] = "tokens"  # a pair setting: both models pool alike
+    with pytest.raises(ValueError, match=r"unknown field.*pooling"):
+        PairConfig.from_dict(data)
+    data = copy.deepcopy(BASE)
+    data["pooling"] = "tokens"
+    cfg = PairConfig.from_dict(data)
+    assert cfg.pooling == cfg.draft.pooling == cfg.target.pooling == "tokens"
+    assert PairConfig.from_dict(copy.deepcopy(BASE)).target.pooling == "predict"
 
 
 def test_load_pair_errors(tmp_path):

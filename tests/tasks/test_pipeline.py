@@ -304,6 +304,8 @@ def test_registry_round_trip_and_mismatch(stages, trained):
         load_probe("tiny", "target", "all", "other-model", 64)
     with pytest.raises(ValueError, match="expects hidden size 64, the model has 640"):
         load_probe("tiny", "target", "all", "tiny-target", 640)
+    with pytest.raises(ValueError, match="pooled by 'predict', the pair pools by 'tokens': retrain"):
+        load_probe("tiny", "target", "all", "tiny-target", 64, pooling="tokens")
     with pytest.raises(
         ValueError, match=r"no registered probe semspec-nope-draft-all@champion.*semspec train"
     ):
