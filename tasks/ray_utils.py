@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -28,8 +30,37 @@ def init_ray() -> None:
         log_to_driver=True,
         configure_logging=False,
     )
+    if not address:
+        _start_watchdog()
     if threading.current_thread() is threading.main_thread():
         exit_on_termination()  # ours again: Ray's own SIGTERM handler aborts without shutting Ray down
+
+
+_WATCHDOG: subprocess.Popen | None = None
+
+
+def _start_watchdog() -> None:
+    """Start ``tasks/ray_watchdog.py`` for this process: when it dies without ``shutdown_ray`` (SIGKILL),
+    the watchdog stops the Ray processes it started (in a session of its own, so a signal to this
+    process's group spares it)."""
+    global _WATCHDOG
+    _WATCHDOG = subprocess.Popen(
+        [sys.executable, "-m", "semspec.tasks.ray_watchdog", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def _stop_watchdog() -> None:
+    """Close the watchdog's pipe: it stops whatever of Ray outlived ``ray.shutdown`` and exits."""
+    global _WATCHDOG
+    if _WATCHDOG is not None and _WATCHDOG.stdin is not None:
+        _WATCHDOG.stdin.close()
+        try:
+            _WATCHDOG.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            log.warning("the Ray watchdog (pid %d) did not exit; it stops by itself", _WATCHDOG.pid)
+    _WATCHDOG = None
 
 
 ACTOR_RESTARTS = 2  # a dead actor (killed, out of memory, a lost node) is replaced this often, then we fail
@@ -50,8 +81,8 @@ def get_result(ref: object, what: str) -> object:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
         raise RuntimeError(
-            f"{what}: the Ray actor died {ACTOR_RESTARTS + 1} times ({type(e).__name__}); finished work is "
-            f"kept, so rerunning the stage resumes"
+            f"{what}: the Ray actor died and could not be replaced (at most {ACTOR_RESTARTS} restarts; "
+            f"{type(e).__name__}); finished work is kept, so rerunning the stage resumes"
         ) from None
 
 
@@ -62,12 +93,13 @@ def shutdown_ray() -> None:
     if ray is not None and ray.is_initialized():
         log.info("stopping Ray")
         ray.shutdown()
+    _stop_watchdog()
 
 
 def exit_on_termination() -> None:
     """Turn SIGTERM and SIGHUP (a cancelled flow run, a closed terminal) into ``SystemExit`` so that
     ``finally`` blocks run: the stage's partial output stays consistent and ``shutdown_ray`` stops Ray's
-    processes. (SIGKILL cannot be caught: then Ray's own reaper stops them when this process dies.)"""
+    processes. (SIGKILL cannot be caught: then Ray's own reaper and our watchdog stop them.)"""
 
     def stop(signum: int, _frame) -> None:
         raise SystemExit(128 + signum)
