@@ -175,9 +175,10 @@ def load_probe(
             f"probe {name} v{mv.version} expects hidden size {tags.get('hidden_size')}, "
             f"the model has {hidden_size}"
         )
-    if tags.get("pooling", "predict") != pooling:
+    trained_pooling = tags.get("pooling", "predict")
+    if trained_pooling != pooling:
         raise ValueError(
-            f"probe {name} v{mv.version} read hidden states pooled by {tags.get('pooling', 'predict')!r}, "
+            f"probe {name} v{mv.version} read hidden states pooled by {trained_pooling!r}, "
             f"the pair pools by {pooling!r}: retrain the pair's probes (`semspec train --pair {pair}`) or "
             f"set the pair file's `pooling` back"
         )
