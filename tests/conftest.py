@@ -54,3 +54,25 @@ def target_lm(embedded_pair):
     from semspec.models.lm import load_lm
 
     return load_lm(embedded_pair.target)
+
+
+_OBSERVED: list[str] = []
+
+
+@pytest.fixture
+def observed(request):
+    """``observed(text)``: what a fault test saw (rows kept, work redone, seconds to fail), printed in the
+    ``observed under faults`` section at the end of the run, so every run reports the figures."""
+
+    def note(text: str) -> None:
+        _OBSERVED.append(f"{request.node.nodeid}: {text}")
+
+    return note
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the fault tests' observations after the results."""
+    if _OBSERVED:
+        terminalreporter.section("observed under faults")
+        for line in _OBSERVED:
+            terminalreporter.write_line(line)

@@ -33,7 +33,7 @@ run_evaluate(cfg, load_pair(tmp / "tiny.yaml"), tmp / "eval", log_mlflow=False)
 """
 
 
-def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_path, monkeypatch):
+def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_path, monkeypatch, observed):
     pair = write_tiny_pair(tmp_path, max_step_tokens=4, draft_hidden=128, target_hidden=128, layers=4)
     rows = tmp_path / "eval" / "arith" / "target.jsonl"
     kill_mid_run(
@@ -56,10 +56,14 @@ def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_pat
     assert len(decoded) == 12 - len(before), "only the problems without a row are decoded again"
     ids = [json.loads(line)["question_id"] for line in after]
     assert len(ids) == 12 == len(set(ids)) and out["arith"]["target"]["n"] == 12
+    observed(
+        f"evaluate SIGKILLed with {len(before)} of 12 rows written; the rerun kept them, decoded "
+        f"{len(decoded)} problems, and wrote {len(after)} rows, {len(set(ids))} distinct"
+    )
 
 
 @pytest.mark.parametrize("name", ["train", "evaluate"])
-def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, monkeypatch):
+def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, monkeypatch, observed):
     import importlib
 
     from semspec.models.project import load_pair
@@ -78,8 +82,10 @@ def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, mon
             pair=load_pair("embedded"),
             **{p: tmp_path / p for p in paths},
         )
-    assert time.perf_counter() - t0 < 10
+    took = time.perf_counter() - t0
+    assert took < 10
     assert not any(tmp_path.iterdir()), "nothing written"
+    observed(f"{name} with MLflow unreachable failed in {took:.1f} s with one line, nothing written")
 
 
 def _ray_sample_command(tmp_path) -> tuple[list[str], dict[str, str]]:
@@ -113,7 +119,7 @@ def _ray_children_once_working(pid: int, shards) -> list:
     return procs
 
 
-def test_a_terminated_stage_stops_its_ray_processes(tmp_path):
+def test_a_terminated_stage_stops_its_ray_processes(tmp_path, observed):
     """SIGTERM (a cancelled run, a closed terminal) to `semspec sample` on Ray: the stage shuts Ray down
     itself, so every process Ray started for it is gone."""
     import psutil
@@ -124,16 +130,20 @@ def test_a_terminated_stage_stops_its_ray_processes(tmp_path):
     )
     try:
         ray_procs = _ray_children_once_working(proc.pid, tmp_path / "samples" / "draft")
+        t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
         _, alive = psutil.wait_procs(ray_procs, timeout=60)
         assert not alive, f"{len(alive)} Ray process(es) outlived the stage"
+        observed(
+            f"sample SIGTERMed: its {len(ray_procs)} Ray processes gone {time.perf_counter() - t0:.1f} s later"
+        )
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path):
+def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path, observed):
     """SIGKILL to a stage the flow runs (``stream_process``): the stage cannot clean up, so the flow stops
     what it left in its process group; no Ray process survives."""
     import threading
@@ -151,14 +161,19 @@ def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path):
         time.sleep(0.05)
     stage = next(p for p in me if "semspec.flows.cli" in " ".join(p.cmdline()))
     ray_procs = _ray_children_once_working(stage.pid, tmp_path / "samples" / "draft")
+    t0 = time.perf_counter()
     stage.send_signal(signal.SIGKILL)
     runner.join(timeout=120)
     assert rc == [-signal.SIGKILL]
     _, alive = psutil.wait_procs(ray_procs, timeout=30)
     assert not alive, f"{len(alive)} Ray process(es) outlived the stage"
+    observed(
+        f"sample SIGKILLed under the flow: its {len(ray_procs)} Ray processes gone "
+        f"{time.perf_counter() - t0:.1f} s later"
+    )
 
 
-def test_a_stage_killed_by_hand_leaves_no_ray_process_within_seconds(tmp_path):
+def test_a_stage_killed_by_hand_leaves_no_ray_process_within_seconds(tmp_path, observed):
     """SIGKILL to the stage's process alone (``kill -9 <pid>``, outside the flow): Ray's reaper stops its
     GCS and raylet, and our watchdog the rest (Ray's agents alone linger for one to two minutes)."""
     import psutil
@@ -170,10 +185,15 @@ def test_a_stage_killed_by_hand_leaves_no_ray_process_within_seconds(tmp_path):
     try:
         ray_procs = _ray_children_once_working(proc.pid, tmp_path / "samples" / "draft")
         assert any(p.name().startswith("ray::") for p in ray_procs)
+        t0 = time.perf_counter()
         proc.kill()
         proc.wait(timeout=30)
         _, alive = psutil.wait_procs(ray_procs, timeout=20)
         assert not alive, f"{[p.name() for p in alive]} outlived the stage by 20 s"
+        observed(
+            f"sample SIGKILLed by hand: its {len(ray_procs)} Ray processes gone "
+            f"{time.perf_counter() - t0:.1f} s later"
+        )
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -227,7 +247,7 @@ def _fake_samples(tmp_path, n_prefixes: int = 10, n: int = 4) -> None:
             )
 
 
-def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path):
+def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path, observed):
     import pyarrow.parquet as pq
     import torch
 
@@ -268,6 +288,10 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path):
         assert len(rows) == len(keys) == 9 * 4, "every valid sample labelled exactly once"
         assert {r["prefix_id"] for r in rows} == {f"p{i}" for i in range(10)} - {"p3"}
     assert not parts.exists(), "the parts are removed once the labels are whole"
+    observed(
+        f"cluster SIGKILLed with {n_parts} of 20 (role, prefix) parts labelled; the rerun judged "
+        f"{len(judged)} prefixes (p3 has no valid sample), 36 rows per role, no duplicate"
+    )
     # a rerun with other settings does not reuse stale parts
     parts.mkdir()
     (parts / "_manifest.json").write_text("{}")
@@ -301,7 +325,7 @@ def _kill_actors(title: str, times: int, stop: threading.Event, killed: list[int
 
 
 @pytest.mark.parametrize("kills", [1, 3])
-def test_a_killed_ray_actor_is_replaced_and_its_batch_redone_then_a_clear_failure(tmp_path, kills):
+def test_a_killed_ray_actor_is_replaced_and_its_batch_redone_then_a_clear_failure(tmp_path, kills, observed):
     from semspec.tasks.config import load_params
     from semspec.tasks.ingest import run_ingest
     from semspec.tasks.io import read_shards
@@ -323,10 +347,14 @@ def test_a_killed_ray_actor_is_replaced_and_its_batch_redone_then_a_clear_failur
             rows = read_shards(tmp_path / "samples" / "draft", ["prefix_id", "sample_idx"]).to_pylist()
             n = len({r["prefix_id"] for r in rows})
             assert len(rows) == len({(r["prefix_id"], r["sample_idx"]) for r in rows}) == n * 8
+            observed(
+                f"1 sample actor SIGKILLed mid-batch: replaced; {len(rows)} rows for {n} prefixes, unique"
+            )
         else:  # one more death than the actor may be replaced: the error names the batch's prefixes
             died = r"sample\[draft\] of prefixes .+: the Ray actor died and could not be replaced \(at most 2"
-            with pytest.raises(RuntimeError, match=died):
+            with pytest.raises(RuntimeError, match=died) as err:
                 run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+            observed(f"3 sample actor deaths: {err.value}")
     finally:
         stop.set()
         killer.join()
