@@ -609,14 +609,15 @@ def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
     """Print the pair's probe and evaluation metrics (as the stages left them) and the UI URLs, with one
     link that compares the probe variants in MLflow."""
     from semspec.flows.env import service_urls
-    from semspec.flows.report import compare_url, pair_report
+    from semspec.flows.report import compare_url, experiment_url, pair_report
     from semspec.flows.stages import tracked_config
 
     default_pair, default_profile = tracked_config()
-    typer.echo(pair_report(pair or default_pair, profile or default_profile))
+    name = pair or default_pair
+    typer.echo(pair_report(name, profile or default_profile))
     urls = service_urls()
-    typer.echo(f"\nPrefect UI: {urls['prefect']}\nMLflow UI:  {urls['mlflow']}")
-    if link := compare_url(pair or default_pair):
+    typer.echo(f"\nPrefect UI: {urls['prefect']}\nMLflow UI:  {experiment_url(name) or urls['mlflow']}")
+    if link := compare_url(name):
         typer.echo(f"Compare the probes (MLflow): {link}")
 
 

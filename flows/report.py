@@ -94,7 +94,6 @@ def mlflow_runs(pair: str) -> list[dict[str, str]]:
         order_by=["attributes.start_time DESC"],
         output_format="list",
     )
-    base = service_urls()["mlflow"]
     latest: dict[str, dict[str, str]] = {}
     for r in runs:
         name = r.info.run_name or r.info.run_id
@@ -103,7 +102,7 @@ def mlflow_runs(pair: str) -> list[dict[str, str]]:
             {
                 "name": name,
                 "stage": r.data.tags.get("stage", ""),
-                "url": f"{base}/#/experiments/{exp.experiment_id}/runs/{r.info.run_id}",
+                "url": mlflow_ui_link(f"experiments/{exp.experiment_id}/runs/{r.info.run_id}"),
             },
         )
     return sorted(latest.values(), key=lambda x: (x["stage"] != "train", x["name"]))
@@ -127,14 +126,25 @@ def compare_url(pair: str) -> str | None:
     if not latest:
         return None
     ids = json.dumps([latest[k] for k in sorted(latest)], separators=(",", ":"))
-    query = f"runs={quote(ids)}&experiments={quote(json.dumps([exp.experiment_id]))}"
-    return f"{service_urls()['mlflow']}/#/compare-runs?{query}"
+    return mlflow_ui_link(
+        "compare-runs", f"runs={quote(ids)}&experiments={quote(json.dumps([exp.experiment_id]))}"
+    )
 
 
 def experiment_url(pair: str) -> str | None:
-    """MLflow UI link to the pair's experiment (None before anything was logged)."""
+    """MLflow UI link to the pair's experiment, opening on its runs (None before anything was logged)."""
     exp = mlflow.get_experiment_by_name(experiment_name(pair))
-    return f"{service_urls()['mlflow']}/#/experiments/{exp.experiment_id}" if exp else None
+    return mlflow_ui_link(f"experiments/{exp.experiment_id}") if exp else None
+
+
+# MLflow 3's UI opens in its GenAI view (an empty traces "Overview") unless told otherwise; the URL
+# parameter wins over the browser's remembered choice, so every link we print opens on runs and models
+ML_VIEW = "workflowType=machine_learning"
+
+
+def mlflow_ui_link(route: str, query: str = "") -> str:
+    """A link to ``route`` of the MLflow UI (``experiments/1``, ``compare-runs``) in its model-training view."""
+    return f"{service_urls()['mlflow']}/#/{route}?{query + '&' if query else ''}{ML_VIEW}"
 
 
 def pair_report(pair: str, profile: str, root: Path | None = None) -> str:

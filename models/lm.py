@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -917,9 +917,23 @@ def _sample(
     return nxt, logp.gather(1, nxt[:, None])[:, 0].cpu()
 
 
+class _NotShardedNoise(logging.Filter):
+    """transformers 5 checks a model's tensor-parallel plan at every load and warns that its layers "were
+    not sharded", although nothing here shards a model: that line is dropped, every other one kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "were not sharded" not in record.getMessage()
+
+
+_TP_LOGGER = "transformers.distributed.tensor_parallel"
+
+
 def load_lm(spec: ModelSpec) -> LM:
     """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF)."""
     t0 = time.perf_counter()
+    tp_log = logging.getLogger(_TP_LOGGER)
+    if not any(isinstance(f, _NotShardedNoise) for f in tp_log.filters):
+        tp_log.addFilter(_NotShardedNoise())
     where = resolve_spec(spec)
     kw: dict = {"trust_remote_code": spec.trust_remote_code}
     if spec.gguf_file:
@@ -927,7 +941,11 @@ def load_lm(spec: ModelSpec) -> LM:
     log.info("loading %s from %s", spec.model_id, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw)
+        # GGUF weights are unpacked into dense ``spec.dtype`` tensors (bfloat16 halves a CPU decode
+        # against float32, measured): said explicitly, so transformers does not warn that packed weights
+        # would run in float32 (they are not kept packed for these architectures, nor without `kernels`)
+        extra = {"quantization_config": GgufConfig(dequantize=True)} if spec.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw, **extra)
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
         if not spec.gguf_file:
             raise

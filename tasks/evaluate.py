@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -29,6 +30,7 @@ from typing import Any
 import mlflow
 import numpy as np
 import torch
+from mlflow.entities import Metric
 from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
@@ -41,8 +43,20 @@ from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.fingerprint import pipeline_fingerprint
-from semspec.tasks.io import atomic_path, config_hash, git_commit, save_figure_atomic, write_json_atomic
-from semspec.tasks.probe_registry import check_tracking, read_pointers, setup_experiment
+from semspec.tasks.io import (
+    atomic_path,
+    close_figure,
+    config_hash,
+    git_commit,
+    save_figure_atomic,
+    write_json_atomic,
+)
+from semspec.tasks.probe_registry import (
+    TRACKING_ERRORS,
+    check_tracking,
+    read_pointers,
+    setup_experiment,
+)
 from semspec.tasks.ray_utils import get_result, init_ray, restartable
 
 log = logging.getLogger(__name__)
@@ -318,8 +332,14 @@ def run_evaluate(
             log.warning("evaluate: skipping %s: %s", label, why)
         labels = [x for x in cfg.method_labels() if x not in not_run]
         keys = {label: run_key(cfg, pair, label, plan["identity"][label]) for label in labels}
-        # 2. decode what is not on disk yet with the same settings (resume)
-        rows = _decode_missing(cfg, problems, labels, keys, out_dir, pool)
+        # 2. decode what is not on disk yet with the same settings (resume), its MLflow runs open meanwhile
+        live = LiveRuns.open(cfg, pair, labels, plan["models"], pins) if log_mlflow else None
+        try:
+            rows = _decode_missing(cfg, problems, labels, keys, out_dir, pool, live)
+        except BaseException:
+            if live is not None:
+                live.fail()
+            raise
     finally:
         pool.close()
     # 3. keep only the rows of this run's problems (a smaller run must not count an earlier, larger one's)
@@ -338,8 +358,8 @@ def run_evaluate(
     write_json_atomic(metrics, out_dir / "metrics.json")
     if plots_dir is not None:
         write_plots(metrics, rows, plots_dir)
-    if log_mlflow:
-        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, pins)
+    if live is not None:
+        log_to_mlflow(cfg, pair, metrics, plots_dir, labels, pins, live)
     return metrics
 
 
@@ -366,9 +386,11 @@ def _decode_missing(
     keys: dict[str, str],
     out_dir: Path,
     pool: _LocalPool | _RayPool,
+    live: LiveRuns | None = None,
 ) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Rows per (benchmark, label): those on disk with this run's key, plus every missing problem decoded
-    now by the pool and appended to its file as it finishes (by this process only: no duplicates)."""
+    now by the pool and appended to its file as it finishes (by this process only: no duplicates); each
+    finished problem also shows in its method's MLflow run (``live``)."""
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for bench in problems:
         (out_dir / bench).mkdir(parents=True, exist_ok=True)
@@ -400,6 +422,8 @@ def _decode_missing(
             with open(out_dir / turn.bench / f"{turn.label}.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row, default=str) + "\n")  # appended as it finishes: a crash keeps it
             bar.update(1)
+            if live is not None:
+                live.problem_done(turn.label, ok)
 
         pool.run(turns, keep)
     return rows
@@ -543,7 +567,7 @@ def write_plots(
     for name, fig in figures.items():
         fig.tight_layout()
         paths.append(save_figure_atomic(fig, plots_dir / f"{name}.png"))
-        plt.close(fig)
+        close_figure(fig)
     return paths
 
 
@@ -616,6 +640,79 @@ def _acceptance_vs_ratio(plt: Any, rows: dict[tuple[str, str], list[dict]]) -> A
     return fig
 
 
+class LiveRuns:
+    """An evaluation's MLflow runs, opened before any decoding so that their duration is the evaluation's
+    and each method's progress shows while it runs: a parent run (``evaluate-<pair>``, it holds the plots)
+    with one nested run per method label (``eval-<label>``), tagged with their provenance (git commit,
+    config hash, model ids, probe versions). Losing MLflow mid-run costs only the live progress (a warning):
+    the rows are on disk and the final logging reports the error."""
+
+    def __init__(self, parent: str, methods: dict[str, str]) -> None:
+        self.parent, self.methods = parent, methods  # run ids; methods: label -> run id
+        self.done = dict.fromkeys(methods, 0)
+        self.correct = dict.fromkeys(methods, 0)
+        self.lost = False
+
+    @classmethod
+    def open(
+        cls,
+        cfg: EvaluateConfig,
+        pair: PairConfig,
+        labels: list[str],
+        models: dict[str, dict[str, str]],
+        pins: dict[str, str] | None,
+    ) -> LiveRuns:
+        """Create the parent run and one nested run per label, all running."""
+        exp_id = setup_experiment(pair.name)
+        client = mlflow.MlflowClient()
+        tags = {"stage": EVAL_PARENT, "pair": pair.name, "git_commit": git_commit()}
+        tags["config_hash"] = config_hash(asdict(cfg))
+        parent = client.create_run(exp_id, run_name=f"evaluate-{pair.name}", tags=tags).info.run_id
+        methods = {
+            label: client.create_run(
+                exp_id,
+                run_name=f"eval-{label}",
+                tags={**_method_tags(cfg, pair, label, models, pins), MLFLOW_PARENT: parent},
+            ).info.run_id
+            for label in labels
+        }
+        return cls(parent, methods)
+
+    def problem_done(self, label: str, correct: bool) -> None:
+        """One more problem of ``label`` decoded and graded in this run (resumed rows are not counted): the
+        count and the running pass@1 of this run's problems, live."""
+        self.done[label] += 1
+        self.correct[label] += bool(correct)
+        if self.lost:
+            return
+        n = self.done[label]
+        metrics = [
+            Metric("problems_decoded", n, _now_ms(), n),
+            Metric("pass_at_1_so_far", self.correct[label] / n, _now_ms(), n),
+        ]
+        try:
+            mlflow.MlflowClient().log_batch(self.methods[label], metrics=metrics)
+        except TRACKING_ERRORS as e:
+            self.lost = True
+            log.warning("evaluate: MLflow unreachable, live progress stops (the rows are kept): %s", e)
+
+    def fail(self) -> None:
+        """Mark every run failed (the evaluation stopped); best effort."""
+        client = mlflow.MlflowClient()
+        for run_id in [*self.methods.values(), self.parent]:
+            try:
+                client.set_terminated(run_id, status="FAILED")
+            except TRACKING_ERRORS:
+                return
+
+
+MLFLOW_PARENT = "mlflow.parentRunId"  # the tag that nests a run under another in the MLflow UI
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def log_to_mlflow(
     cfg: EvaluateConfig,
     pair: PairConfig,
@@ -623,73 +720,78 @@ def log_to_mlflow(
     plots_dir: Path | None,
     labels: list[str] | None = None,
     pins: dict[str, str] | None = None,
+    live: LiveRuns | None = None,
 ) -> None:
-    """One parent MLflow run per evaluation, holding the plots (once), with one nested run per method
-    (probe variant as a param): metrics per benchmark as ``<bench>_<metric>`` and over all benchmarks
-    without a prefix, each model's dtype as a param; tags give the provenance (git commit, config hash,
-    model ids, probe versions)."""
-    setup_experiment(pair.name)
-    parent = {"stage": EVAL_PARENT, "pair": pair.name, "git_commit": git_commit()}
-    parent["config_hash"] = config_hash(asdict(cfg))
-    with mlflow.start_run(run_name=f"evaluate-{pair.name}", tags=parent):  # the methods' runs nest under it
+    """Finish the evaluation's MLflow runs (``live``, opened now when not given): the plots once on the
+    parent; per method (probe variant as a param) metrics per benchmark as ``<bench>_<metric>`` and over
+    all benchmarks without a prefix, each model's dtype as a param. Ending them here makes each run last
+    from the first decode to now."""
+    labels = labels or cfg.method_labels()
+    live = live or LiveRuns.open(cfg, pair, labels, metrics.get("_models", {}), pins)
+    with mlflow.start_run(run_id=live.parent):
         if plots_dir is not None and plots_dir.is_dir():
             for p in sorted(plots_dir.glob("*.png")):
                 mlflow.log_artifact(str(p), "plots")  # once, on the parent run
-        _log_methods(cfg, pair, metrics, labels or cfg.method_labels(), pins)
+        for label in labels:
+            with mlflow.start_run(run_id=live.methods[label], nested=True):
+                _log_method(cfg, label, metrics)
 
 
 EVAL_PARENT = "evaluate-summary"  # the stage tag of the run that groups one evaluation's method runs
 
 
-def _log_methods(
+def _method_tags(
     cfg: EvaluateConfig,
     pair: PairConfig,
-    metrics: dict[str, Any],
-    labels: list[str],
+    label: str,
+    models: dict[str, dict[str, str]],
     pins: dict[str, str] | None,
-) -> None:
-    """One nested MLflow run per method label."""
-    models = metrics.get("_models", {})
-    for label in labels:
-        method, _, variant = label.partition("-")
-        tags = {"stage": "evaluate", "pair": pair.name, "method": method, "variant": variant or "none"}
-        tags |= {"git_commit": git_commit(), "config_hash": config_hash(asdict(cfg))}
-        tags |= {f"{r}_model_id": d["model_id"] for r, d in models.items()}
-        if variant:
-            tags |= {f"{r}_probe_version": (pins or {}).get(f"{r}-{variant}", "champion") for r in ROLES}
-        if method in ("target", "draft", "specsampling", "assisted"):
-            tags["absent_metrics"] = "step_acceptance: this method verifies no draft steps"
-        with mlflow.start_run(run_name=f"eval-{label}", tags=tags, nested=True):
-            mlflow.log_params(
-                {
-                    "method": method,
-                    "probe_variant": variant or "none",
-                    "max_new_tokens": cfg.max_new_tokens,
-                    "temperature": cfg.temperature,
-                    "gamma": cfg.gamma,
-                    "min_ratio": cfg.min_ratio,
-                    "seeds": cfg.seeds,
-                    "benchmarks": cfg.benchmarks,
-                    **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},
-                }
-            )
-            for bench, ms in metrics.items():
-                if bench.startswith("_") and bench != "_overall":
-                    continue
-                if label not in ms:
-                    continue
-                m = dict(ms[label])
-                for name in ("pass@1_ci95", "delta_vs_target_ci95"):
-                    if m.get(name):
-                        m[f"{name}_low"], m[f"{name}_high"] = m.pop(name)
-                prefix = "" if bench == "_overall" else f"{bench}_"
-                mlflow.log_metrics(
-                    {
-                        f"{prefix}{k.replace('@', '_at_')}": float(v)
-                        for k, v in m.items()
-                        if isinstance(v, int | float)
-                    }
-                )
+) -> dict[str, str]:
+    """A method run's tags: what it is and its provenance (git commit, config hash, model ids, probes)."""
+    method, _, variant = label.partition("-")
+    tags = {"stage": "evaluate", "pair": pair.name, "method": method, "variant": variant or "none"}
+    tags |= {"git_commit": git_commit(), "config_hash": config_hash(asdict(cfg))}
+    tags |= {f"{r}_model_id": d["model_id"] for r, d in models.items()}
+    if variant:
+        tags |= {f"{r}_probe_version": (pins or {}).get(f"{r}-{variant}", "champion") for r in ROLES}
+    if method in ("target", "draft", "specsampling", "assisted"):
+        tags["absent_metrics"] = "step_acceptance: this method verifies no draft steps"
+    return tags
+
+
+def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> None:
+    """The active (method) run's params and final metrics."""
+    method, _, variant = label.partition("-")
+    mlflow.log_params(
+        {
+            "method": method,
+            "probe_variant": variant or "none",
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "gamma": cfg.gamma,
+            "min_ratio": cfg.min_ratio,
+            "seeds": cfg.seeds,
+            "benchmarks": cfg.benchmarks,
+            **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},
+        }
+    )
+    for bench, ms in metrics.items():
+        if bench.startswith("_") and bench != "_overall":
+            continue
+        if label not in ms:
+            continue
+        m = dict(ms[label])
+        for name in ("pass@1_ci95", "delta_vs_target_ci95"):
+            if m.get(name):
+                m[f"{name}_low"], m[f"{name}_high"] = m.pop(name)
+        prefix = "" if bench == "_overall" else f"{bench}_"
+        mlflow.log_metrics(
+            {
+                f"{prefix}{k.replace('@', '_at_')}": float(v)
+                for k, v in m.items()
+                if isinstance(v, int | float)
+            }
+        )
 
 
 def stage(

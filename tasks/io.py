@@ -70,6 +70,14 @@ def save_figure_atomic(fig: Any, path: Path, dpi: int = 90) -> Path:
     return path
 
 
+def close_figure(fig: Any | None) -> None:
+    """Free a pyplot figure (pyplot keeps every figure it made until it is closed)."""
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
 def shard_name(prefix_ids: list[str]) -> str:
     """Deterministic shard file name for a batch of prefixes."""
     return f"part-{hashlib.sha1(','.join(sorted(prefix_ids)).encode()).hexdigest()[:16]}.parquet"

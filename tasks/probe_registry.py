@@ -27,6 +27,10 @@ def artifact_root() -> Path:
     return settings().mlflow_artifacts
 
 
+# what a tracking server that went away raises (MLflow wraps HTTP failures in MlflowException)
+TRACKING_ERRORS = (MlflowException, ConnectionError, TimeoutError)
+
+
 def check_tracking(timeout: float = 5.0) -> None:
     """Fail within seconds, before any work, when the MLflow tracking server is not reachable (a local
     ``sqlite:`` or file store needs no server)."""

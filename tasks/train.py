@@ -7,11 +7,14 @@ Train/validation/test splits are made **by question**: no prefix of a test quest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,6 @@ import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from mlflow.exceptions import MlflowException
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 from torch import nn
@@ -34,6 +36,7 @@ from semspec.models.project import project_root
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import (
+    close_figure,
     column_matrix,
     data_hash,
     git_commit,
@@ -43,6 +46,7 @@ from semspec.tasks.io import (
 )
 from semspec.tasks.probe_registry import (
     POINTERS_FILE,
+    TRACKING_ERRORS,
     ProbeRef,
     check_tracking,
     register_probe,
@@ -254,10 +258,34 @@ def fit_probe(
     return best.eval()
 
 
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning announces the accelerators ("GPU available: False") and a cloud-logging tip at every
+    Trainer, through its own handler and the root one (so twice: its import sets its logger to INFO over
+    any earlier setting), and warns about its own use of a deprecated torch pytree API; per probe that is
+    only noise in the stage log. Within this block its logger keeps warnings and errors only."""
+    lg = logging.getLogger("lightning.pytorch")
+    level = lg.level
+    lg.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
+            yield
+    finally:
+        lg.setLevel(level)
+
+
 def _fit_best_state(
     probe: ProbeMLP, train_dl: DataLoader, val_dl: DataLoader, cfg: TrainConfig, log_epochs: bool
 ) -> dict[str, torch.Tensor]:
     """Lightning fit with early stopping on validation MSE; the weights of the best validation epoch."""
+    with quiet_lightning():
+        return _fit_quietly(probe, train_dl, val_dl, cfg, log_epochs)
+
+
+def _fit_quietly(
+    probe: ProbeMLP, train_dl: DataLoader, val_dl: DataLoader, cfg: TrainConfig, log_epochs: bool
+) -> dict[str, torch.Tensor]:
     ckpt_dir = tempfile.mkdtemp(prefix="semspec-probe-")
     ckpt = L.pytorch.callbacks.ModelCheckpoint(
         monitor="val_mse",
@@ -342,6 +370,7 @@ def run_train(
                 fig = variant_figure(all_metrics, pair.name)
                 save_figure_atomic(fig, plots_dir / "probe-variants.png")
                 mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
+                close_figure(fig)
     except TRACKING_ERRORS as e:
         if not pending:
             raise
@@ -371,8 +400,6 @@ def run_train(
 
 PENDING_FILE = "pending.json"  # in the train out folder: probes trained but not registered yet
 PENDING_DIR = "pending"  # their weights, one folder per probe
-# what a tracking server that went away raises (MLflow wraps HTTP failures in MlflowException)
-TRACKING_ERRORS = (MlflowException, ConnectionError, TimeoutError)
 
 
 def _finish(metrics: dict[str, Any], metrics_path: Path, pointers: dict[str, Any], out_dir: Path) -> None:
@@ -415,16 +442,21 @@ def _train_roles(
             for variant in cfg.variants:
                 key = probe_key(variant, domain)
                 trained = _Trained(run, part, masks, hashes, role, key)
-                if not pending:
-                    try:
-                        metrics, ref = _track_probe(trained)
-                        all_metrics[role][key] = metrics
-                        pointers[f"{role}-{key}"] = asdict(ref)
-                        log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
-                        continue
-                    except TRACKING_ERRORS as e:
-                        log.error("train: MLflow unreachable (%s): the probes are kept locally", e)
-                all_metrics[role][key] = trained.keep(out_dir / PENDING_DIR, pending)
+                try:
+                    if not pending:
+                        try:
+                            metrics, ref = _track_probe(trained)
+                            all_metrics[role][key] = metrics
+                            pointers[f"{role}-{key}"] = asdict(ref)
+                            log.info(
+                                "train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()}
+                            )
+                            continue
+                        except TRACKING_ERRORS as e:
+                            log.error("train: MLflow unreachable (%s): the probes are kept locally", e)
+                    all_metrics[role][key] = trained.keep(out_dir / PENDING_DIR, pending)
+                finally:
+                    close_figure(trained.figure)
 
 
 def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):
@@ -482,6 +514,7 @@ class _Trained:
         self.domain = domain or ALL_DOMAINS
         self.probe: nn.Module | None = None
         self.metrics: dict[str, float] = {}
+        self.figure = None  # the calibration plot, once fitted
 
     def fit(self, log_epochs: bool) -> None:
         """Fit (once), test on the held-out questions and save the calibration plot."""
@@ -620,6 +653,7 @@ def register_pending(out_dir: Path, register: bool = True) -> dict[str, Any]:
         fig = variant_figure(metrics, pair)
         save_figure_atomic(fig, Path(record["plots_dir"]) / "probe-variants.png")
         mlflow.log_figure(fig, "probe-variants.png")
+        close_figure(fig)
     _finish(
         metrics,
         Path(record["metrics_path"]),

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from urllib.parse import unquote
+from urllib.parse import parse_qs
 
-from semspec.flows.report import compare_url
+from semspec.flows.report import compare_url, experiment_url
 from semspec.flows.stages import clean_line
 from semspec.flows.watch import flow_run_url
 
@@ -39,9 +39,12 @@ def test_compare_url_names_the_latest_probe_run_of_each_variant(tmp_path, monkey
             ids[name] = r.info.run_id  # the second probe-draft-all is the latest
     url = compare_url("cmp")
     assert url.startswith("http://127.0.0.1:5055/#/compare-runs?runs=")
-    runs = json.loads(unquote(url.split("runs=")[1].split("&")[0]))
-    assert sorted(runs) == sorted([ids["probe-draft-all"], ids["probe-draft-random"]])
-    assert json.loads(unquote(url.split("experiments=")[1])) == [exp]
+    query = parse_qs(url.split("?", 1)[1])
+    assert sorted(json.loads(query["runs"][0])) == sorted([ids["probe-draft-all"], ids["probe-draft-random"]])
+    assert json.loads(query["experiments"][0]) == [exp]
+    # MLflow 3's UI would open its GenAI view; the link asks for the model-training one
+    assert query["workflowType"] == ["machine_learning"]
+    assert experiment_url("cmp") == f"http://127.0.0.1:5055/#/experiments/{exp}?workflowType=machine_learning"
 
 
 def test_stage_output_is_logged_at_its_level_once_and_clean():

@@ -204,8 +204,11 @@ def test_the_printed_compare_link_shows_the_probe_variants_in_a_browser(project)
 
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     assert chromium and driver_bin, "install Debian's chromium and chromium-driver (.ci/run does)"
-    link = re.search(r"Compare the probes \(MLflow\): (\S+)", project.run("semspec", "report").stdout)
+    printed = project.run("semspec", "report").stdout
+    link = re.search(r"Compare the probes \(MLflow\): (\S+)", printed)
     assert link, "the report prints the compare link"
+    experiment = re.search(r"MLflow UI: +(\S+#/experiments/\S+)", printed)
+    assert experiment, "the report links the pair's experiment"
     opts = Options()
     opts.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1300"):
@@ -218,8 +221,15 @@ def test_the_printed_compare_link_shows_the_probe_variants_in_a_browser(project)
         html = browser.page_source
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "mlflow-compare-probes.png"))
+        # the experiment link opens on the runs (grouped under their stage's parent run), not on MLflow
+        # 3's GenAI overview of traces
+        browser.get(experiment.group(1))
+        WebDriverWait(browser, 120).until(lambda b: "train-embedded" in b.page_source)
+        runs_page = browser.page_source
+        browser.save_screenshot(str(ARTIFACTS / "mlflow-experiment-runs.png"))
     finally:
         browser.quit()
+    assert "evaluate-embedded" in runs_page and "Detect Issues" not in runs_page
     for role in ("draft", "target"):
         for variant in ("last", "all", "mix", "random"):
             assert f"probe-{role}-{variant}" in html

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -428,8 +429,24 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
         profile="tiny", overrides=["evaluate.benchmarks={arith: 2}", "evaluate.seeds=[0, 1]"]
     ).evaluate
     lms = {r: load_lm(pair.role(r)) for r in ("draft", "target")}
-    res = run_evaluate(cfg, pair, tmp / "eval", tmp / "eval_plots", lms=lms)
+
+    import mlflow
+
+    from semspec.tasks.evaluate import LiveRuns
+
+    seen, real_done = [], LiveRuns.problem_done
+
+    def watched(self, label, correct):  # while decoding: the method's run is open and shows progress
+        real_done(self, label, correct)
+        run = mlflow.MlflowClient().get_run(self.methods[label])
+        seen.append((label, run.info.status, run.data.metrics.get("problems_decoded"), time.time() * 1000))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LiveRuns, "problem_done", watched)
+        res = run_evaluate(cfg, pair, tmp / "eval", tmp / "eval_plots", lms=lms)
     labels = ["target", "draft", "semanticspec-random", "semanticspec-all"]
+    assert len(seen) == 4 * len(labels) and {status for _, status, _, _ in seen} == {"RUNNING"}
+    assert sorted(n for label, _, n, _ in seen if label == "target") == [1, 2, 3, 4]
     assert list(res["arith"]) == labels
     for label in labels:
         rows = [
@@ -448,7 +465,6 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
         "tps.png",
         "acceptance_vs_ratio.png",
     }
-    import mlflow
 
     runs = mlflow.search_runs(experiment_names=["semspec-tiny"], filter_string="tags.stage = 'evaluate'")
     assert sorted(runs["tags.mlflow.runName"]) == sorted(f"eval-{x}" for x in labels)
@@ -463,6 +479,33 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
         f"plots/{p}" for p in ("pass_vs_latency-arith.png", "tps.png", "acceptance_vs_ratio.png")
     )
     assert all(not client.list_artifacts(r) for r in runs["run_id"]), "no plot copied into each method run"
+    # each run lasts from before its first problem to after its last, and is finished
+    for label, run_id in zip(runs["tags.mlflow.runName"], runs["run_id"], strict=True):
+        info = client.get_run(run_id).info
+        times = [t for lab, _, _, t in seen if f"eval-{lab}" == label]
+        assert info.status == "FINISHED" and info.start_time <= min(times) <= max(times) <= info.end_time
+        assert [m.value for m in client.get_metric_history(run_id, "problems_decoded")] == [1, 2, 3, 4]
+
+
+def test_an_evaluation_that_fails_marks_its_mlflow_runs_failed(stages, trained, monkeypatch):
+    import mlflow
+
+    import semspec.tasks.evaluate as E
+
+    def broken(*args, **kw):
+        raise RuntimeError("decoding broke")
+
+    monkeypatch.setattr(E, "_decode_missing", broken)
+    pair = stages["pair"]
+    cfg = load_params(profile="tiny", overrides=["evaluate.benchmarks={arith: 1}"]).evaluate
+    lms = {r: load_lm(pair.role(r)) for r in ("draft", "target")}
+    t0 = int(time.time() * 1000)
+    with pytest.raises(RuntimeError, match="decoding broke"):
+        E.run_evaluate(cfg, pair, stages["tmp"] / "eval-broken", lms=lms)
+    runs = mlflow.search_runs(
+        experiment_names=["semspec-tiny"], filter_string=f"attributes.start_time >= {t0}"
+    )
+    assert len(runs) == 1 + len(cfg.method_labels()) and set(runs["status"]) == {"FAILED"}
 
 
 def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):

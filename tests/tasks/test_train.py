@@ -43,10 +43,18 @@ def test_fit_probe_refuses_a_single_training_row():
         )
 
 
-def test_fit_probe_on_a_tiny_split_gives_finite_predictions():
+def test_fit_probe_on_a_tiny_split_gives_finite_predictions(capsys, caplog):
+    import logging
+    import warnings
+
     data = _data(12)
     cfg = TrainConfig(hidden_draft=[4], max_epochs=3, patience=2, register=False)
-    probe = fit_probe(data, "all", "draft", _masks(12, 2), cfg)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        probe = fit_probe(data, "all", "draft", _masks(12, 2), cfg)
+    # Lightning's per-Trainer announcements and its own deprecation warning stay out of the stage log
+    said = capsys.readouterr().err + caplog.text + " ".join(str(w.message) for w in caught)
+    assert "GPU available" not in said and "litlogger" not in said and "LeafSpec" not in said
     assert all(torch.isfinite(t).all() for t in probe.state_dict().values())
     pred = predict(probe, data.x["all"] * 100)  # far outside the training range
     assert np.isfinite(pred).all() and ((pred >= 0) & (pred <= 1)).all()
