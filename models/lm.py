@@ -83,6 +83,21 @@ class Pooled:
 
 
 @dataclass
+class Partial:
+    """A lookahead step that a decode loop ended inside (``LM.decode_runs``): its tokens so far and the
+    state of its sampling, so that the next loop that writes this step goes on with it instead of writing
+    it again. It is the step sampled with ``seed``; the next loop takes it only for that seed and only
+    when its tokens fit that loop's budget, so the step comes out as if written in one go."""
+
+    tokens: list[int]
+    hsum: torch.Tensor  # (L+1, D): summed outputs at the positions that predicted each token
+    hfirst: torch.Tensor | None  # (L+1, D): ``tokens`` pooling only, the output predicting the first token
+    lp_sum: float  # summed log-probabilities of the tokens
+    gen: torch.Generator | None  # the step's generator, as far as it has drawn
+    seed: int | None
+
+
+@dataclass
 class LMState:
     """A context held in the KV cache: every id is in ``cache``; ``logits``/``hidden`` are the outputs
     at the last position (they predict the next token)."""
@@ -92,6 +107,9 @@ class LMState:
     cache: Cache
     logits: torch.Tensor  # (V,)
     hidden: torch.Tensor  # (L+1, D)
+    # the step a decode loop had begun after this context (only on the state that loop returned: any
+    # state made from it, by extending, cropping or copying, has none)
+    partial: Partial | None = field(default=None, repr=False, compare=False)
 
     def clone(self) -> LMState:
         """A deep copy whose cache can be extended without touching this one."""
@@ -178,7 +196,8 @@ class _Run:
     cache: Cache | None = None
     # (positions, logits (V,), hidden (L+1, D)) right after the last step the loop fed; None when none
     boundary: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    dropped: bool = False  # the loop ended inside a lookahead step: its tokens are dropped
+    dropped: bool = False  # the loop ended inside a lookahead step: its tokens leave the cache
+    partial: Partial | None = None  # that step, for a later loop to go on with
 
 
 def _for_row(more: NextBudget | None, i: int) -> NextBudget | None:
@@ -210,6 +229,7 @@ class StepStart:
     state: LMState | None = None
     prefix: list[int] = field(default_factory=list)
     done: StepSample | None = None
+    partial: Partial | None = None  # the step goes on from here (its tokens are in ``state``'s cache)
 
     @property
     def source(self) -> LMState:
@@ -654,18 +674,21 @@ class LM:
         in place. Each row writes ``min_steps`` steps (fewer after EOS, an empty step or when ``more`` says
         stop); while some row still owes one, the rows that are done may write *lookahead* steps instead of
         idling, as long as ``more(row, steps so far)`` gives the next step's token budget (None: stop). A
-        lookahead step still unfinished when the loop ends is dropped. Step ``j`` of a row samples with
-        ``seed + j``, so a row writes the same steps whatever the rest of the batch does. Returns, per row,
-        its steps and its context extended by all of them."""
+        lookahead step still unfinished when the loop ends leaves the cache, and the returned state keeps
+        it (``LMState.partial``): a later call that starts the same step (same seed) from that state goes on
+        with it, when its tokens fit that call's budget. Step ``j`` of a row samples with ``seed + j``, so a
+        row writes the same steps whatever the rest of the batch does. Returns, per row, its steps and its
+        context extended by all of them."""
         _check_sampling(temperature, top_p)
         if min_steps < 1:
             raise ValueError(f"min_steps must be >= 1, got {min_steps}")
         if any(st.done is None and st.max_tokens < 1 for st in starts):
             raise ValueError("max_tokens must be >= 1")
+        starts = self._resume_partials(starts)
         runs = [_Run([st.done], st.source.cache) if st.done is not None else None for st in starts]
         live = [i for i, st in enumerate(starts) if st.done is None]
         sub = None if more is None else (lambda b, done: more(live[b], done))
-        gens = [_generator(starts[i].seed) for i in live]
+        gens = [starts[i].partial.gen if starts[i].partial else _generator(starts[i].seed) for i in live]
         sampled = self._sample_rows([starts[i] for i in live], temperature, top_p, gens, min_steps, sub)
         for i, run in zip(live, sampled, strict=True):
             runs[i] = run
@@ -688,6 +711,7 @@ class LM:
             )
             if run.dropped:
                 crop_to(run.cache, length)
+                state.partial = run.partial
                 out[i] = (run.samples, state)
             else:
                 tails.append((i, state))
@@ -699,6 +723,33 @@ class LM:
         for (i, _), (_, state) in zip(tails, finished, strict=True):
             runs[i].samples[-1].close_pooling(state.hidden)  # ``tokens`` pooling: the last token's output
             out[i] = (runs[i].samples, state)
+        return out
+
+    def _resume_partials(self, starts: list[StepStart]) -> list[StepStart]:
+        """``starts`` where each row whose context holds the partial step it is about to write (same seed,
+        tokens within its budget) goes on with it: the partial tokens are fed after each such context, all
+        in one padded prefill, and the row's loop starts after them."""
+        take = [
+            i
+            for i, st in enumerate(starts)
+            if st.done is None
+            and st.state is None
+            and not st.prefix
+            and (p := st.context.partial) is not None
+            and p.seed == st.seed
+            and len(p.tokens) < st.max_tokens
+        ]
+        if not take:
+            return starts
+        out = list(starts)
+        fed = self.forward_rows(
+            [starts[i].context.cache for i in take], [starts[i].context.partial.tokens for i in take]
+        )
+        for i, (logits, hidden, cache) in zip(take, fed, strict=True):
+            st = starts[i]
+            ctx = st.context
+            state = LMState(ctx.text, ctx.ids, cache, logits[-1], hidden[-1])
+            out[i] = StepStart(ctx, st.max_tokens, st.seed, state, partial=ctx.partial)
         return out
 
     def _finish_steps(
@@ -773,6 +824,12 @@ class LM:
         lp_sum = torch.zeros(n)
         tokens = [list(st.prefix) for st in starts]
         plen, budget = [len(st.prefix) for st in starts], [st.max_tokens for st in starts]
+        for i, st in enumerate(starts):
+            if st.partial is not None:  # go on with a step an earlier loop began: its tokens count
+                p = st.partial
+                tokens[i], plen[i], hsum[i], lp_sum[i] = list(p.tokens), 0, p.hsum, p.lp_sum
+                if hfirst is not None and p.hfirst is not None:
+                    hfirst[i] = p.hfirst
         runs = [_Run([]) for _ in starts]
         fed = 0
         while True:
@@ -812,9 +869,20 @@ class LM:
                 else:
                     turning[b] = nxt_budget
             if not any(len(runs[rows[b]].samples) < min_steps for b in going + list(turning)):
-                # nobody owes a step: the loop ends; lookahead steps under way are dropped
+                # nobody owes a step: the loop ends; lookahead steps under way leave the cache, kept
+                # aside for the next loop of these rows
                 for b in going:
-                    runs[rows[b]].dropped = True
+                    i = rows[b]
+                    seed = starts[i].seed
+                    runs[i].dropped = True
+                    runs[i].partial = Partial(
+                        list(tokens[i]),
+                        hsum[i].clone(),
+                        None if hfirst is None else hfirst[i].clone(),
+                        float(lp_sum[i]),
+                        gens[i],
+                        None if seed is None else seed + len(runs[i].samples),
+                    )
                 leaving += going + list(turning)
                 going, turning = [], {}
             for b in leaving:

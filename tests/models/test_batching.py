@@ -156,8 +156,21 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
         assert authors == {"draft", "target"}, "mixed decisions need accepts and rejects"
 
 
+def _count_resumed(monkeypatch) -> list[int]:
+    """Rows whose loop went on with a step an earlier loop had begun (``LM._resume_partials``), per call."""
+    resumed, real = [], LM._resume_partials
+
+    def counting(self, starts):
+        out = real(self, starts)
+        resumed.extend(i for i, st in enumerate(out) if st.partial is not None)
+        return out
+
+    monkeypatch.setattr(LM, "_resume_partials", counting)
+    return resumed
+
+
 @pytest.mark.parametrize("name", ["draft", "always-accept", "mixed"])
-def test_sampled_steps_do_not_depend_on_the_batch(pair, name):
+def test_sampled_steps_do_not_depend_on_the_batch(pair, name, monkeypatch):
     """Step j of a row samples with its own seed, whether written ahead in a batch or in its own round:
     with float32 models a sampled problem's output in a batch of 4 equals its output alone."""
     draft, target = pair
@@ -169,9 +182,12 @@ def test_sampled_steps_do_not_depend_on_the_batch(pair, name):
         else SemanticSpecDecoder(draft, target, *probes[name], s)
     )
     alone = [decoder.decode(q) for q in QUESTIONS]
+    resumed = _count_resumed(monkeypatch)
     for b, a in zip(decoder.decode_batch(QUESTIONS, batch_size=4), alone, strict=True):
         _assert_same(b, a)
     assert len({r.text for r in alone}) == len(QUESTIONS)
+    if name != "mixed":  # (rejections there discard what was written ahead)
+        assert resumed, "a sampled step begun in one loop went on in the next, with its own generator"
 
 
 @pytest.mark.parametrize("probes", ["mixed", "always-accept"])
@@ -187,6 +203,7 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
     monkeypatch.setattr(
         LM, "_sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
     )
+    resumed = _count_resumed(monkeypatch)
     monkeypatch.setattr(
         SemanticSpecDecoder, "_valid", lambda *a: (ok := real_valid(*a), invalid.append(not ok))[0]
     )
@@ -202,6 +219,7 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
     assert any(dropped), "some lookahead step was under way when its loop ended"
     if probes == "always-accept":
         assert any(invalid), "some step was written ahead under another budget"
+        assert resumed, "a later loop went on with a step that an earlier loop had begun"
     with pytest.raises(ValueError, match="lookahead"):
         DecodeSettings(lookahead=-1)
 
