@@ -18,6 +18,7 @@ from semspec.models.names import CHAMPION, PROBE_METHOD, ROLES, probe_key, regis
 from semspec.models.project import list_pairs, load_pair
 from semspec.models.weights import unavailable_reason
 from semspec.tasks.fingerprint import FINGERPRINT_REASONS, pipeline_fingerprint
+from semspec.tasks.probe_registry import check_tracking
 
 log = logging.getLogger(__name__)
 NOT_EVALUATED = "not evaluated"  # the probes are up to date, their evaluation is missing or stale
@@ -79,7 +80,9 @@ def pair_statuses(params: Any, eval_metrics: Callable[[str], Path] | None = None
     params and data (``pipeline_fingerprint``) and, when ``retrain.stages`` evaluates, ``eval_metrics(pair)``
     records a finished evaluation of them; else why it needs work (``NOT_EVALUATED...``: only the
     evaluation). An unreadable pair file gives ``"invalid: ..."`` and a pair whose models cannot be loaded
-    here (not cached offline, no GPU) ``"unavailable: ..."``; both are reported, never trained."""
+    here (not cached offline, no GPU) ``"unavailable: ..."``; both are reported, never trained. An
+    MLflow server that cannot be reached is an error within seconds (the registry says what is trained)."""
+    check_tracking()
     out: dict[str, str | None] = {}
     for name in list_pairs():
         try:

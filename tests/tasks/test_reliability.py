@@ -62,6 +62,22 @@ def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_pat
     )
 
 
+def test_a_retrain_fails_in_seconds_when_mlflow_is_unreachable(tmp_path, monkeypatch, observed):
+    """The retrain asks the registry which pairs are trained: with MLflow down that is one line within
+    seconds, not minutes of HTTP retries (nor every pair looking untrained)."""
+    from semspec.tasks.config import load_params
+    from semspec.tasks.retrain import pair_statuses
+    from tests.helpers.project import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reachable"):
+        pair_statuses(load_params(profile="tiny"))
+    took = time.perf_counter() - t0
+    assert took < 10
+    observed(f"retrain with MLflow unreachable failed in {took:.1f} s with one line")
+
+
 @pytest.mark.parametrize("name", ["train", "evaluate"])
 def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, monkeypatch, observed):
     import importlib
