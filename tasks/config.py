@@ -37,13 +37,22 @@ def _positive(where: str, **values: float) -> None:
             raise ValueError(f"{where}: field '{k}' must be positive, got {v!r}")
 
 
+INGEST_SOURCES = ("arith", "s1k", "math500", "aime24", "amc23")  # sources with reasoning chains
+
+
 @dataclass
 class IngestConfig:
     """Which questions become prefixes."""
 
-    source: str = "arith"  # arith (generated offline set) | s1k
+    # where the questions come from: arith (generated offline set), s1k, or a benchmark with reference
+    # solutions (math500, aime24, amc23); a list takes max_questions from each, e.g. [arith, math500]
+    source: str | list[str] = "arith"
     domains: list[str] | None = None  # keep only these domains (s1K cot_type); None keeps all
-    max_questions: int = 8  # questions taken (after the domain filter), seeded shuffle
+    # each prefix's domain (train.domains, evaluate.probe_domain): data (the question's own: s1K's
+    # cot_type, 'math' for the math sets) | source (the source's name: arith, math500, ..., so that
+    # per-source probes and the paper's cross-domain study (5.4) run offline)
+    domain_by: str = "data"
+    max_questions: int = 8  # questions taken per source (after the domain filter), seeded shuffle
     max_prefixes_per_question: int = 3  # prefixes kept per question (seeded subset of k = 0..steps-1)
     generate_traces: bool = False  # have the target write a greedy trace where the data has none
     trace_max_tokens: int = 256  # token budget of a generated trace
@@ -52,13 +61,24 @@ class IngestConfig:
     data_dir: str | None = None  # local data folder (default: $SEMSPEC_DATA_DIR, else the Hub)
 
     def __post_init__(self) -> None:
-        if self.source not in ("arith", "s1k"):
-            raise ValueError(f"ingest: field 'source' must be 'arith' or 's1k', got {self.source!r}")
+        sources = self.sources()
+        bad = [x for x in sources if x not in INGEST_SOURCES]
+        if bad or not sources or len(set(sources)) < len(sources):
+            raise ValueError(
+                f"ingest: field 'source' must be one of {INGEST_SOURCES} or a list of distinct ones, got "
+                f"{self.source!r}"
+            )
+        if self.domain_by not in ("data", "source"):
+            raise ValueError(f"ingest: field 'domain_by' must be 'data' or 'source', got {self.domain_by!r}")
         _positive(
             "ingest",
             max_questions=self.max_questions,
             max_prefixes_per_question=self.max_prefixes_per_question,
         )
+
+    def sources(self) -> list[str]:
+        """The sources, as a list."""
+        return [self.source] if isinstance(self.source, str) else list(self.source)
 
 
 @dataclass

@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 BENCHMARKS = ("math500", "aime24", "amc23", "gpqa")
 SOURCES = ("s1k", *BENCHMARKS, "arith")
 ON_ERROR = ("raise", "skip")
+# where each data set lives: its file in a local data folder (SEMSPEC_DATA_DIR) and its Hub id
+SOURCE_FILES = {
+    "s1k": ("s1k/train.jsonl", "simplescaling/s1K"),
+    "math500": ("math500/test.jsonl", "HuggingFaceH4/MATH-500"),
+    "aime24": ("aime24/test.jsonl", "HuggingFaceH4/aime_2024"),
+    "amc23": ("amc23/test.jsonl", "math-ai/amc23"),
+    "gpqa": ("gpqa/gpqa_diamond.zip", "Idavidrein/gpqa"),
+}
 GPQA_PASSWORD = b"deserted-untie-orchid"
 GPQA_SHUFFLE_SEED = 1234
 LETTERS = "ABCD"
@@ -191,7 +199,7 @@ def load_math500(data_dir: str | Path | None = None, on_error: str = "raise") ->
             meta={"subject": r.get("subject"), "level": r.get("level")},
         )
 
-    loc, rows = _rows("math500/test.jsonl", "HuggingFaceH4/MATH-500", "test", data_dir)
+    loc, rows = _rows(*SOURCE_FILES["math500"], "test", data_dir)
     return _collect("math500", loc, rows, conv, on_error)
 
 
@@ -217,12 +225,12 @@ def _competition(
 
 def load_aime24(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
     """AIME 2024 (HuggingFaceH4/aime_2024); answers are integers 0-999 kept as strings."""
-    return _competition("aime24", "aime24/test.jsonl", "HuggingFaceH4/aime_2024", "train", data_dir, on_error)
+    return _competition("aime24", *SOURCE_FILES["aime24"], "train", data_dir, on_error)
 
 
 def load_amc23(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
     """AMC 2023 (math-ai/amc23)."""
-    return _competition("amc23", "amc23/test.jsonl", "math-ai/amc23", "test", data_dir, on_error)
+    return _competition("amc23", *SOURCE_FILES["amc23"], "test", data_dir, on_error)
 
 
 def load_s1k(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
@@ -245,7 +253,7 @@ def load_s1k(data_dir: str | Path | None = None, on_error: str = "raise") -> Loa
             meta={"source_type": r.get("source_type")},
         )
 
-    loc, rows = _rows("s1k/train.jsonl", "simplescaling/s1K", "train", data_dir)
+    loc, rows = _rows(*SOURCE_FILES["s1k"], "train", data_dir)
     return _collect("s1k", loc, rows, conv, on_error)
 
 
@@ -299,12 +307,12 @@ def _gpqa_zip_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception
 
 def load_gpqa(data_dir: str | Path | None = None, on_error: str = "raise") -> LoadReport:
     """GPQA-Diamond (Idavidrein/gpqa, config gpqa_diamond) with choices shuffled by a fixed seed."""
-    d = resolve_data_dir(data_dir)
+    d, (local, hub_id) = resolve_data_dir(data_dir), SOURCE_FILES["gpqa"]
     if d is None:
-        loc = "hf://Idavidrein/gpqa[gpqa_diamond]"
-        rows: Iterator = _hub_rows("Idavidrein/gpqa", "train", config="gpqa_diamond")
+        loc = f"hf://{hub_id}[gpqa_diamond]"
+        rows: Iterator = _hub_rows(hub_id, "train", config="gpqa_diamond")
     else:
-        loc, rows = str(d / "gpqa/gpqa_diamond.zip"), _gpqa_zip_rows(d / "gpqa/gpqa_diamond.zip")
+        loc, rows = str(d / local), _gpqa_zip_rows(d / local)
     return _collect("gpqa", loc, rows, gpqa_problem, on_error)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,10 +16,12 @@ from semspec.models.steps import joiner, split_steps
 from semspec.tasks.config import IngestConfig, Params
 from semspec.tasks.data import (
     MAX_STEPS,
+    SOURCE_FILES,
     Problem,
     build_prefixes,
     generate_arith,
     load_s1k,
+    load_source,
     resolve_data_dir,
 )
 from semspec.tasks.io import file_md5, write_parquet_atomic
@@ -40,10 +42,25 @@ PREFIX_SCHEMA = pa.schema(
 
 
 def select_problems(cfg: IngestConfig) -> list[Problem]:
-    """The questions to ingest: the generated arithmetic train split, or s1K filtered by domain."""
-    if cfg.source == "arith":
+    """The questions to ingest: up to ``max_questions`` from each source (the generated arithmetic train
+    split; s1K or a benchmark, filtered by domain, seeded shuffle), each with its domain (``domain_by``)."""
+    out = []
+    for name in cfg.sources():
+        problems = _from_source(name, cfg)
+        if cfg.domain_by == "source":
+            problems = [replace(p, domain=name) for p in problems]
+        out += problems
+    return out
+
+
+def _from_source(name: str, cfg: IngestConfig) -> list[Problem]:
+    """Up to ``max_questions`` questions of one source."""
+    if name == "arith":
         return generate_arith(cfg.max_questions, "train", seed=cfg.seed)
-    problems = load_s1k(data_dir=cfg.data_dir, on_error=cfg.on_error).problems
+    if name == "s1k":
+        problems = load_s1k(data_dir=cfg.data_dir, on_error=cfg.on_error).problems
+    else:
+        problems = load_source(name, data_dir=cfg.data_dir, on_error=cfg.on_error)
     if cfg.domains and problems and all(p.domain == "unknown" for p in problems):
         raise ValueError(
             f"ingest: field 'domains' ({cfg.domains}) filters on s1K's 'cot_type' column, which this copy of "
@@ -53,22 +70,27 @@ def select_problems(cfg: IngestConfig) -> list[Problem]:
         problems = [p for p in problems if p.domain in cfg.domains]
         if not problems:
             raise ValueError(
-                f"ingest: no s1K question has a domain in {cfg.domains} (this copy may lack cot_type: "
-                f"its domain is 'unknown')"
+                f"ingest: no {name} question has a domain in {cfg.domains} (a copy of s1K without cot_type "
+                f"has only 'unknown')"
             )
     random.Random(cfg.seed).shuffle(problems)
     return problems[: cfg.max_questions]
 
 
 def source_fingerprint(cfg: IngestConfig) -> str:
-    """A fingerprint of the data ``select_problems`` reads: the local s1K file's MD5, the Hub id, or the
-    generator (whose output is fixed by the config)."""
-    if cfg.source == "arith":
+    """A fingerprint of the data ``select_problems`` reads: per source, the local file's MD5, the Hub id,
+    or the generator (whose output is fixed by the config)."""
+    return ",".join(_fingerprint(name, cfg) for name in cfg.sources())
+
+
+def _fingerprint(name: str, cfg: IngestConfig) -> str:
+    if name == "arith":
         return "generated:arith"
+    local, hub = SOURCE_FILES[name]
     d = resolve_data_dir(cfg.data_dir)
     if d is None:
-        return "hub:simplescaling/s1K"
-    path = d / "s1k" / "train.jsonl"
+        return f"hub:{hub}"
+    path = d / local
     return f"md5:{file_md5(path)}" if path.is_file() else f"missing:{path}"
 
 

@@ -151,6 +151,24 @@ def test_a_domain_filter_on_s1k_without_cot_type_names_the_column(tmp_path):
     assert len(select_problems(cfg)) == 3
 
 
+def test_several_sources_each_give_their_questions_with_the_source_as_domain(data_dir):
+    """ingest.source [arith, math500] with domain_by source: two domains offline (the paper's 5.4 study),
+    max_questions from each source; with domain_by data both are 'math'."""
+    from semspec.tasks.config import IngestConfig
+    from semspec.tasks.ingest import select_problems, source_fingerprint
+
+    cfg = IngestConfig(
+        source=["arith", "math500"], domain_by="source", max_questions=3, data_dir=str(data_dir)
+    )
+    probs = select_problems(cfg)
+    assert [p.domain for p in probs] == ["arith"] * 3 + ["math500"] * 3
+    assert all(p.solution for p in probs) and len({p.question_id for p in probs}) == 6
+    assert {p.domain for p in select_problems(IngestConfig(**{**cfg.__dict__, "domain_by": "data"}))} == {
+        "math"
+    }
+    assert source_fingerprint(cfg).startswith("generated:arith,md5:")
+
+
 # ----------------------------------------------------------------------------- arithmetic generator
 def test_arith_train_and_test_never_share_a_problem():
     train = D.generate_arith(400, "train", seed=0)
