@@ -21,6 +21,19 @@ def test_step_end_paragraph_and_sentence():
     assert step_end("Why? Because", "sentence") == len("Why? ")
     assert step_end("a blank line\n\nends it too", "sentence") == len("a blank line\n\n")
     assert joiner("paragraph") == "\n\n" and joiner("sentence") == " "
+    # the number that opens a list item is no sentence end (models write "1. First, ..."); a number that
+    # ends a sentence inside a line is
+    assert step_end("1. ", "sentence") is None and step_end("1. Omar", "sentence") is None
+    assert step_end("  12. Omar has 2. So", "sentence") == len("  12. Omar has 2. ")
+    assert step_end("He has 1. So", "sentence") == len("He has 1. ")
+    assert step_end("1.\n\nSo", "sentence") == len("1.\n\n"), "a blank line always ends a step"
+    chain = "1. Omar has 2 boxes. So 2 * 6 = 12.\n2. Then 3.5 more. Done!"
+    assert split_steps(chain, "sentence") == [
+        "1. Omar has 2 boxes.",
+        "So 2 * 6 = 12.",
+        "2. Then 3.5 more.",
+        "Done!",
+    ]
     with pytest.raises(ValueError, match="split_strategy"):
         step_end("x. y", "words")
 
