@@ -263,16 +263,19 @@ def quiet_lightning() -> Iterator[None]:
     """Lightning announces the accelerators ("GPU available: False") and a cloud-logging tip at every
     Trainer, through its own handler and the root one (so twice: its import sets its logger to INFO over
     any earlier setting), and warns about its own use of a deprecated torch pytree API; per probe that is
-    only noise in the stage log. Within this block its logger keeps warnings and errors only."""
-    lg = logging.getLogger("lightning.pytorch")
-    level = lg.level
-    lg.setLevel(logging.WARNING)
+    only noise in the stage log. Within this block its loggers keep warnings and errors only (both
+    namespaces: with the standalone ``pytorch_lightning`` package imported, Lightning logs under it)."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "pytorch_lightning")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
             yield
     finally:
-        lg.setLevel(level)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _fit_best_state(
