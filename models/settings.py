@@ -38,6 +38,7 @@ class Settings:
     mlflow_port: int  # SEMSPEC_MLFLOW_PORT (5000)
     ray_address: str | None  # RAY_ADDRESS: a Ray cluster (None: in-process)
     hub_offline: bool  # HF_HUB_OFFLINE
+    gguf_cache: bool  # SEMSPEC_GGUF_CACHE (on): keep GGUF models converted in the cache, to load in seconds
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -53,6 +54,7 @@ class Settings:
             mlflow_port=_port(env, "SEMSPEC_MLFLOW_PORT", 5000),
             ray_address=env.get("RAY_ADDRESS") or None,
             hub_offline=env.get("HF_HUB_OFFLINE", "").lower() in _TRUE,
+            gguf_cache=env.get("SEMSPEC_GGUF_CACHE", "1").lower() in _TRUE,
         )
 
 

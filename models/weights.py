@@ -240,10 +240,40 @@ def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble:
     return str(folder)
 
 
+def _safe_name(model_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in model_id)
+
+
 def parts_cache_path(model_id: str, gguf_file: str) -> Path:
     """Where the joined file of a ``parts`` model lives in the cache."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in model_id)
-    return cache_dir() / "parts" / safe / gguf_file
+    return cache_dir() / "parts" / _safe_name(model_id) / gguf_file
+
+
+# ----------------------------------------------------------------------------------- converted GGUF
+def converted_key(gguf_path: Path, dtype: str, sha256: str | None, converter: str) -> dict:
+    """What the converted (dequantized, Hugging Face format) copy of a GGUF file depends on: the file
+    (resolved path, size, mtime, pinned sha256), the dtype it was unpacked to and the converter's version.
+    Any change gives another key, so a cut, replaced or re-assembled file is never served a stale copy."""
+    return {**_stat_key(gguf_path), "sha256": (sha256 or "").lower(), "dtype": dtype, "converter": converter}
+
+
+def converted_cache_path(model_id: str, key: dict) -> Path:
+    """The cache folder of the converted copy that ``key`` (see :func:`converted_key`) describes:
+    ``<cache>/converted/<model id>-<dtype>-<digest of key>``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{_safe_name(model_id)}-{key['dtype']}-{digest}"
+
+
+def stale_converted(folder: Path) -> list[Path]:
+    """The other converted copies of the same model and dtype as ``folder`` (older keys: the GGUF file or
+    the converter changed since), which a new copy replaces; folders still being written are left alone."""
+    stem = folder.name.rsplit("-", 1)[0]
+    return [p for p in folder.parent.glob(f"{stem}-*") if p != folder and p.is_dir() and ".tmp" not in p.name]
+
+
+def converted_enabled() -> bool:
+    """Whether GGUF models keep a converted copy in the cache (``SEMSPEC_GGUF_CACHE``, default on)."""
+    return settings().gguf_cache
 
 
 def resolve_spec(spec) -> str:

@@ -48,3 +48,34 @@ def test_draft_batched_samples_stop_at_the_delimiter(draft_lm):
         elif s.finish_reason == "length":
             assert s.num_tokens == 40
     assert any(s.finish_reason == "delimiter" for s in samples)
+
+
+def test_the_converted_copy_is_the_gguf_model_bit_for_bit(embedded_pair, tmp_path, monkeypatch, caplog):
+    """The draft converted from its GGUF file (a fresh cache) and then read from the copy that load kept:
+    the same weights, dtype, tokenizer, chat template, EOS ids and hidden states."""
+    import logging
+
+    import torch
+
+    from semspec.models.lm import load_lm
+
+    monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path))
+    spec = embedded_pair.draft
+    with caplog.at_level(logging.INFO, logger="semspec.models.lm"):
+        converted = load_lm(spec)
+        assert "kept the converted GGUF model" in caplog.text and "loaded the converted" not in caplog.text
+        copy = load_lm(spec)
+    assert "loaded the converted copy" in caplog.text
+    a, b = converted.model.state_dict(), copy.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert copy.model.dtype == converted.model.dtype == torch.bfloat16
+    for text in (QUESTION, "Step 1: 3 + 5 = 8.\n\nStep 2: 8 - 2 = 6. \\boxed{6} ünï ∑"):
+        assert converted.tokenizer(text).input_ids == copy.tokenizer(text).input_ids
+    assert converted.tokenizer.chat_template == copy.tokenizer.chat_template
+    assert converted.eos_ids == copy.eos_ids
+    assert converted.format_prompt(QUESTION) == copy.format_prompt(QUESTION)
+    ids = torch.tensor([converted.tokenizer(QUESTION).input_ids])
+    with torch.no_grad():
+        ha = converted.model(ids, output_hidden_states=True).hidden_states[-1]
+        hb = copy.model(ids, output_hidden_states=True).hidden_states[-1]
+    assert torch.equal(ha, hb)
