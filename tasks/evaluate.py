@@ -31,6 +31,7 @@ import mlflow
 import numpy as np
 import torch
 from mlflow.entities import Metric
+from mlflow.tracking.context.registry import resolve_tags
 from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
@@ -667,12 +668,15 @@ class LiveRuns:
         client = mlflow.MlflowClient()
         tags = {"stage": EVAL_PARENT, "pair": pair.name, "git_commit": git_commit()}
         tags["config_hash"] = config_hash(asdict(cfg))
-        parent = client.create_run(exp_id, run_name=f"evaluate-{pair.name}", tags=tags).info.run_id
+        # resolve_tags adds what a fluent run gets by itself (the source script, user, git commit), so the
+        # UI's Source and User columns are filled for these runs too
+        parent = client.create_run(exp_id, run_name=f"evaluate-{pair.name}", tags=resolve_tags(tags))
+        parent = parent.info.run_id
         methods = {
             label: client.create_run(
                 exp_id,
                 run_name=f"eval-{label}",
-                tags={**_method_tags(cfg, pair, label, models, pins), MLFLOW_PARENT: parent},
+                tags=resolve_tags({**_method_tags(cfg, pair, label, models, pins), MLFLOW_PARENT: parent}),
             ).info.run_id
             for label in labels
         }

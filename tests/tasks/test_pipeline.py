@@ -474,6 +474,8 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
     )
     parent = parents["run_id"].iloc[0]  # the latest evaluation: its methods nest under it, plots once
     assert set(runs["tags.mlflow.parentRunId"]) == {parent}
+    for frame in (runs, parents):  # the UI's Source and User columns, as for the fluent train runs
+        assert frame["tags.mlflow.source.name"].notna().all() and frame["tags.mlflow.user"].notna().all()
     client = mlflow.MlflowClient()
     assert sorted(a.path for a in client.list_artifacts(parent, "plots")) == sorted(
         f"plots/{p}" for p in ("pass_vs_latency-arith.png", "tps.png", "acceptance_vs_ratio.png")
