@@ -1028,7 +1028,8 @@ def _converted_folder(spec: ModelSpec, where: str) -> tuple[Path, dict] | None:
     path = _gguf_path(where, spec.gguf_file)
     if path is None:
         return None
-    key = converted_key(path, spec.dtype, spec.sha256, f"transformers=={transformers.__version__}")
+    verified = spec.sha256 if spec.source != "hub" else None  # resolve_spec checked it (not a Hub file)
+    key = converted_key(path, spec.dtype, verified, f"transformers=={transformers.__version__}")
     return converted_cache_path(spec.model_id, key), key
 
 

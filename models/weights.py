@@ -250,11 +250,14 @@ def parts_cache_path(model_id: str, gguf_file: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------- converted GGUF
-def converted_key(gguf_path: Path, dtype: str, sha256: str | None, converter: str) -> dict:
-    """What the converted (dequantized, Hugging Face format) copy of a GGUF file depends on: the file
-    (resolved path, size, mtime, pinned sha256), the dtype it was unpacked to and the converter's version.
-    Any change gives another key, so a cut, replaced or re-assembled file is never served a stale copy."""
-    return {**_stat_key(gguf_path), "sha256": (sha256 or "").lower(), "dtype": dtype, "converter": converter}
+def converted_key(gguf_path: Path, dtype: str, verified_sha256: str | None, converter: str) -> dict:
+    """What the converted (dequantized, Hugging Face format) copy of a GGUF file depends on: the file's
+    content, the dtype it was unpacked to and the converter's version. The content is the sha256 the file
+    was just verified against when the pair file pins one (so every venv and checkout shares one copy),
+    else the file's resolved path, size and mtime. Any change gives another key, so a cut, replaced or
+    re-assembled file is never served a stale copy."""
+    content = {"sha256": verified_sha256.lower()} if verified_sha256 else _stat_key(gguf_path)
+    return {**content, "dtype": dtype, "converter": converter}
 
 
 def converted_cache_path(model_id: str, key: dict) -> Path:

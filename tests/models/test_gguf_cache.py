@@ -5,6 +5,7 @@ one gives the same model bit for bit)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 
@@ -72,6 +73,22 @@ def test_a_changed_gguf_file_is_converted_again_and_the_old_copy_removed(gguf, t
     (new,) = _converted(tmp_path)
     assert len(calls) == 2 and new != old
     assert _same(fresh, load_lm(spec)) and len(calls) == 2
+
+
+def test_a_pinned_file_shares_one_copy_wherever_it_lies(gguf, tmp_path):
+    """Two installs (venvs, checkouts) of the same pinned GGUF file: converted once, whatever the path."""
+    spec, calls = gguf
+    data = (tmp_path / "model" / "m.gguf").read_bytes()
+    other = tmp_path / "other-venv"
+    other.mkdir()
+    (other / "m.gguf").write_bytes(data)
+    pin = hashlib.sha256(data).hexdigest()
+    load_lm(dataclasses.replace(spec, sha256=pin))
+    load_lm(dataclasses.replace(spec, sha256=pin, path=str(other)))
+    assert len(calls) == 1 and len(_converted(tmp_path)) == 1
+    (other / "m.gguf").write_bytes(b"GGUF cut")  # the pin is checked before any copy is used
+    with pytest.raises(ValueError, match="sha256"):
+        load_lm(dataclasses.replace(spec, sha256=pin, path=str(other)))
 
 
 def test_another_dtype_is_another_copy(gguf, tmp_path):
