@@ -57,7 +57,7 @@ def test_probe_reads_the_right_feature_from_pooled():
     pooled = Pooled(h)
     for feat in ("last", "all"):
         p = ProbeMLP(8, [4], feat)
-        expected = float(p(pooled.feature(feat)[None])[0])
+        expected = float(p(pooled.feature(feat)[None])[0].detach())
         assert probe_probability(p, pooled) == pytest.approx(expected)
     mix = ProbeMLP(8, [4], "mix", num_layers=4)
     assert 0 < probe_probability(mix, pooled) < 1
