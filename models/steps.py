@@ -18,7 +18,6 @@ from collections.abc import Iterator
 SPLIT_STRATEGIES = ("paragraph", "sentence")
 _PARAGRAPH_RE = re.compile(r"\n\s*\n")
 _SENTENCE_RE = re.compile(r"(?:(?<=[.!?])\s+|\n\s*\n\s*)(?=\S)")
-_BLANK_LINE_RE = re.compile(r"\n\s*\n")
 
 
 def check_strategy(strategy: str) -> str:
@@ -43,7 +42,7 @@ def _opens_list_item(text: str, dot: int) -> bool:
 def _sentence_ends(text: str) -> Iterator[int]:
     """The index just past each sentence end of ``text`` (with the whitespace after it)."""
     for m in _SENTENCE_RE.finditer(text):
-        blank = _BLANK_LINE_RE.search(m.group()) is not None
+        blank = _PARAGRAPH_RE.search(m.group()) is not None
         if blank or not (text[m.start() - 1] == "." and _opens_list_item(text, m.start() - 1)):
             yield m.end()
 

@@ -670,8 +670,8 @@ class LiveRuns:
         tags["config_hash"] = config_hash(asdict(cfg))
         # resolve_tags adds what a fluent run gets by itself (the source script, user, git commit), so the
         # UI's Source and User columns are filled for these runs too
-        parent = client.create_run(exp_id, run_name=f"evaluate-{pair.name}", tags=resolve_tags(tags))
-        parent = parent.info.run_id
+        run = client.create_run(exp_id, run_name=f"evaluate-{pair.name}", tags=resolve_tags(tags))
+        parent = run.info.run_id
         methods = {
             label: client.create_run(
                 exp_id,

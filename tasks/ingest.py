@@ -20,7 +20,6 @@ from semspec.tasks.data import (
     Problem,
     build_prefixes,
     generate_arith,
-    load_s1k,
     load_source,
     resolve_data_dir,
 )
@@ -57,10 +56,7 @@ def _from_source(name: str, cfg: IngestConfig) -> list[Problem]:
     """Up to ``max_questions`` questions of one source."""
     if name == "arith":
         return generate_arith(cfg.max_questions, "train", seed=cfg.seed)
-    if name == "s1k":
-        problems = load_s1k(data_dir=cfg.data_dir, on_error=cfg.on_error).problems
-    else:
-        problems = load_source(name, data_dir=cfg.data_dir, on_error=cfg.on_error)
+    problems = load_source(name, data_dir=cfg.data_dir, on_error=cfg.on_error)
     if cfg.domains and problems and all(p.domain == "unknown" for p in problems):
         raise ValueError(
             f"ingest: field 'domains' ({cfg.domains}) filters on s1K's 'cot_type' column, which this copy of "
