@@ -144,6 +144,7 @@ def models_check(
             f"prefill={prefill_ms:.1f} ms/token ({len(score.token_ids)}-token step on a cached context)"
         )
         typer.echo(f"[{role}] step ({step.finish_reason}, {step.num_tokens} tokens): {step.text!r}")
+        typer.echo(f"[{role}] format: {lm.format.describe()}")
 
 
 @data_app.command("check")

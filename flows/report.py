@@ -63,6 +63,7 @@ def eval_table(res: dict) -> str:
                 "models: "
                 + ", ".join(f"{r} {m['model_id']} ({m['dtype']}, {m['device']})" for r, m in ms.items())
             )
+            notes += [f"format: {r}: {m['why']}" for r, m in ms.items() if m.get("why")]
         elif bench == "_run":  # provenance of the finished evaluation, not a table row
             continue
         elif bench.startswith("_") and bench != "_overall":

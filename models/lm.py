@@ -45,6 +45,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from semspec.models.formats import Format, quantize_model, resolve_format
 from semspec.models.pair import ModelSpec
 from semspec.models.steps import step_end
 from semspec.models.weights import (
@@ -56,8 +57,6 @@ from semspec.models.weights import (
 )
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
 
 
 def pick_device(device: str) -> torch.device:
@@ -252,11 +251,13 @@ class StepStart:
 class LM:
     """A causal LM plus its tokenizer, with step-level sampling and hidden-state pooling."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, spec: ModelSpec) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer, spec: ModelSpec, fmt: Format | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec = spec
         self.device = next(model.parameters()).device
+        # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
+        self.format: Format = fmt or _dense_format(model)
         text_cfg = model.config.get_text_config()
         self.num_layers: int = int(text_cfg.num_hidden_layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
@@ -286,12 +287,20 @@ class LM:
 
     @property
     def dtype_name(self) -> str:
-        """The dtype the weights run in (e.g. ``bfloat16``), printed beside every speed figure."""
-        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        """The format the model runs in (e.g. ``bfloat16``, ``int8 (bfloat16 above 4 rows)``), printed
+        beside every speed figure."""
+        return self.format.label()
 
     def describe(self) -> dict[str, str]:
-        """``{model_id, dtype, device}``: what every speed figure is printed beside."""
-        return {"model_id": self.model_id, "dtype": self.dtype_name, "device": str(self.device)}
+        """``{model_id, dtype, format, device, why}``: what every speed figure is printed beside (``format``
+        is the short name probes are tagged with, ``why`` the format's choice on this machine)."""
+        return {
+            "model_id": self.model_id,
+            "dtype": self.dtype_name,
+            "format": self.format.name,
+            "device": str(self.device),
+            "why": self.format.describe(),
+        }
 
     def __str__(self) -> str:
         return "{model_id} ({dtype}, {device})".format(**self.describe())
@@ -388,7 +397,7 @@ class LM:
     def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from final-layer hidden states (after the final norm): (N, D) -> (N, V) float32."""
         head = self.model.get_output_embeddings()
-        logits = head(last_hidden.to(head.weight.dtype).to(self.device)).float().cpu()
+        logits = head(last_hidden.to(self.format.activations).to(self.device)).float().cpu()
         cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -1020,20 +1029,31 @@ def _gguf_path(where: str, gguf_file: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def _converted_folder(spec: ModelSpec, where: str) -> tuple[Path, dict] | None:
-    """(folder, key) of the converted copy of ``spec``'s GGUF file, or None without one (cache off, or
-    the file not on disk yet)."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dense_format(model: PreTrainedModel) -> Format:
+    """The format of a model built in memory: its parameters' dtype."""
+    return resolve_format(
+        _dtype_name(next(model.parameters()).dtype), "cuda" if model.device.type == "cuda" else "cpu"
+    )
+
+
+def _converted_folder(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple[Path, dict] | None:
+    """(folder, key) of the converted copy of ``spec``'s GGUF file in ``dtype``, or None without one
+    (cache off, or the file not on disk yet)."""
     if not (spec.gguf_file and converted_enabled()):
         return None
     path = _gguf_path(where, spec.gguf_file)
     if path is None:
         return None
     verified = spec.sha256 if spec.source != "hub" else None  # resolve_spec checked it (not a Hub file)
-    key = converted_key(path, spec.dtype, verified, f"transformers=={transformers.__version__}")
+    key = converted_key(path, _dtype_name(dtype), verified, f"transformers=={transformers.__version__}")
     return converted_cache_path(spec.model_id, key), key
 
 
-def _load_converted(folder: Path, key: dict, spec: ModelSpec) -> tuple | None:
+def _load_converted(folder: Path, key: dict, spec: ModelSpec, dtype: torch.dtype) -> tuple | None:
     """(tokenizer, model) from a converted copy made for ``key``; None when there is none. A copy that does
     not load (cut by a full disk, edited) is deleted, so the caller converts the GGUF file again."""
     if not (folder / _SOURCE).is_file():
@@ -1043,7 +1063,7 @@ def _load_converted(folder: Path, key: dict, spec: ModelSpec) -> tuple | None:
             raise ValueError("it was made from another file")
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=_DTYPES[spec.dtype], trust_remote_code=spec.trust_remote_code
+            folder, dtype=dtype, trust_remote_code=spec.trust_remote_code
         )
     except (ValueError, RuntimeError, OSError, KeyError, SafetensorError) as e:
         log.warning(
@@ -1083,31 +1103,45 @@ def _save_converted(folder: Path, key: dict, tokenizer, model: PreTrainedModel) 
 
 
 def load_lm(spec: ModelSpec) -> LM:
-    """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF).
+    """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF), in the
+    format its ``dtype`` resolves to on this machine (``semspec.models.formats``).
 
-    A GGUF model is converted (dequantized to ``spec.dtype``) once and kept in the cache in the Hugging Face
-    format, keyed by the file and the dtype: later loads read that copy, bit for bit the same model, in
-    seconds instead of re-parsing the GGUF file (about a minute for the embedded target here)."""
+    A GGUF model is converted (dequantized to the format's load dtype) once and kept in the cache in the
+    Hugging Face format, keyed by the file and the dtype: later loads read that copy, bit for bit the same
+    model, in seconds instead of re-parsing the GGUF file (about a minute for the embedded target here).
+    The int formats quantize the loaded linear layers (seconds; logged)."""
     t0 = time.perf_counter()
     tp_log = logging.getLogger(_TP_LOGGER)
     if not any(isinstance(f, _NotShardedNoise) for f in tp_log.filters):
         tp_log.addFilter(_NotShardedNoise())
+    fmt = resolve_format(spec.dtype, spec.device)
     where = resolve_spec(spec)
-    converted = _converted_folder(spec, where)
-    loaded = _load_converted(*converted, spec) if converted else None
+    converted = _converted_folder(spec, where, fmt.load_dtype)
+    loaded = _load_converted(*converted, spec, fmt.load_dtype) if converted else None
     if loaded is None:
-        loaded = _load_pretrained(spec, where)
-        converted = converted or _converted_folder(spec, where)  # a Hub GGUF is on disk only now
+        loaded = _load_pretrained(spec, where, fmt.load_dtype)
+        converted = converted or _converted_folder(spec, where, fmt.load_dtype)  # a Hub GGUF is on disk now
         if converted:
             _save_converted(*converted, *loaded)
     tokenizer, model = loaded
     model.to(pick_device(spec.device))
-    lm = LM(model, tokenizer, spec)
+    if fmt.quantized:
+        tq = time.perf_counter()
+        n = quantize_model(model, fmt)
+        log.info(
+            "%s: %d linear layers quantized to %s in %.1f s",
+            spec.model_id,
+            n,
+            fmt.name,
+            time.perf_counter() - tq,
+        )
+    lm = LM(model, tokenizer, spec, fmt)
     lm.load_seconds = time.perf_counter() - t0
+    log.info("%s runs in %s", spec.model_id, fmt.describe())
     return lm
 
 
-def _load_pretrained(spec: ModelSpec, where: str) -> tuple:
+def _load_pretrained(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple:
     """(tokenizer, model) by ``from_pretrained`` from ``where`` (a Hub id or a folder, with the GGUF file)."""
     kw: dict = {"trust_remote_code": spec.trust_remote_code}
     if spec.gguf_file:
@@ -1115,11 +1149,11 @@ def _load_pretrained(spec: ModelSpec, where: str) -> tuple:
     log.info("loading %s from %s", spec.model_id, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-        # GGUF weights are unpacked into dense ``spec.dtype`` tensors (bfloat16 halves a CPU decode
-        # against float32, measured): said explicitly, so transformers does not warn that packed weights
-        # would run in float32 (they are not kept packed for these architectures, nor without `kernels`)
+        # GGUF weights are unpacked into dense ``dtype`` tensors: said explicitly, so transformers does not
+        # warn that packed weights would run in float32 (they are not kept packed for these architectures,
+        # nor without `kernels`); the int formats quantize them again afterwards (``quantize_model``)
         extra = {"quantization_config": GgufConfig(dequantize=True)} if spec.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[spec.dtype], **kw, **extra)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw, **extra)
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
         if not spec.gguf_file:
             raise

@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from semspec.models.formats import FORMATS, QUANTIZED
 from semspec.models.names import ROLES
 
 SOURCES = ("hub", "local", "package")
 MODEL_SOURCES = (*SOURCES, "parts")  # parts: one GGUF file split over several PyPI packages
-DTYPES = ("float32", "float16", "bfloat16", "auto")
 PROMPTS = ("auto", "chat", "plain")
 JUDGE_KINDS = ("embedding", "nli")
 POOLINGS = ("predict", "tokens")
@@ -49,9 +49,9 @@ class ModelSpec:
     packages: list[str] = field(default_factory=list)  # parts: pinned pip requirements, in part order
     part_pattern: str = "data/part*.bin"  # parts: the one file of each package that holds its part
     sha256: str | None = None  # sha256 of the GGUF file (required for parts; checked once per file)
-    dtype: str = (
-        "float32"  # torch dtype; pair files pick bfloat16 (half the CPU decode time with AVX-512 BF16)
-    )
+    # the format (models/formats.py): float32 | float16 | bfloat16 | int8 | int4 (weight-only, CPU) | auto
+    # (the fastest correct one for the machine: bfloat16 on a GPU, int8 on a CPU)
+    dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto
     prompt: str = "auto"  # auto: chat template when the tokenizer has one, else plain_template
     plain_template: str = "Question: {question}\nAnswer: Let's think step by step.\n\n"
@@ -77,10 +77,12 @@ class ModelSpec:
                 raise _fail(w, "path", f"is required for source '{self.source}'")
             self.path = self.model_id
         self._check_parts()
-        if self.dtype not in DTYPES:
-            raise _fail(w, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in FORMATS:
+            raise _fail(w, "dtype", f"must be one of {FORMATS}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise _fail(w, "device", f"must be cpu, cuda, cuda:N, mps or auto, got {self.device!r}")
+        if self.dtype in QUANTIZED and self.device not in ("cpu", "auto"):
+            raise _fail(w, "dtype", f"{self.dtype} is a CPU format; on {self.device} use bfloat16 or auto")
         if self.prompt not in PROMPTS:
             raise _fail(w, "prompt", f"must be one of {PROMPTS}, got {self.prompt!r}")
         if "{question}" not in self.plain_template:

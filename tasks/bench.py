@@ -114,7 +114,7 @@ def run_bench(
                 results[label].append(dec.decode(q))
                 bar.update(1)
     summary = summarize(results)
-    summary["_models"] = {r: str(lm) for r, lm in lms.items()}
+    summary.update(model_notes(lms))
     if skipped:
         summary["_skipped"] = skipped
     return summary
@@ -167,7 +167,7 @@ def run_batch_bench(
     out: dict[str, Any] = dict(
         sorted(rows.items(), key=lambda kv: (kv[1]["method"] != "target", kv[1]["method"], kv[1]["batch"]))
     )
-    out["_models"] = {r: str(lm) for r, lm in lms.items()}
+    out.update(model_notes(lms))
     out["_notes"] = {
         "token-level": "specsampling and assisted decode one problem at a time; they are not in this table",
         "latency": "per problem, from joining the batch to its last step",
@@ -175,6 +175,15 @@ def run_batch_bench(
     if skipped:
         out["_skipped"] = skipped
     return out
+
+
+def model_notes(lms: dict[str, LM]) -> dict[str, dict[str, str]]:
+    """What every figure is printed beside: each model (id, format, device) and why it runs in that
+    format on this CPU."""
+    return {
+        "_models": {r: str(lm) for r, lm in lms.items()},
+        "_formats": {r: lm.format.describe() for r, lm in lms.items()},
+    }
 
 
 def _table(

@@ -44,10 +44,18 @@ _PINNED: dict[tuple, RegisteredProbe] = {}  # pinned versions never change: read
 def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = None) -> tuple[ProbeFn, str]:
     """The registered probe of ``role`` (``version``, default the ``champion``) as a function of pooled
     hidden states, and the sha256 of its weights. A pinned version is read from the registry once."""
-    key = (pair, role, variant, lm.model_id, lm.hidden_size, lm.spec.pooling, version)
+    fmt = lm.format.name
+    key = (pair, role, variant, lm.model_id, lm.hidden_size, lm.spec.pooling, fmt, version)
     if version is None or key not in _PINNED:
         probe, ref = load_probe(
-            pair, role, variant, lm.model_id, lm.hidden_size, version=version, pooling=lm.spec.pooling
+            pair,
+            role,
+            variant,
+            lm.model_id,
+            lm.hidden_size,
+            version=version,
+            pooling=lm.spec.pooling,
+            fmt=fmt,
         )
         fn = RegisteredProbe(probe, ref.sha256)
         if version is None:

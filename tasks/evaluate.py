@@ -259,9 +259,12 @@ _SELECTION = (
 )  # which rows, not how
 
 
-def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any) -> str:
-    """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file
-    and, for SemanticSpec, its ``run_identity`` (probe versions, salvage). Rows with another key are stale
+def run_key(
+    cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any, formats: dict[str, str] | None = None
+) -> str:
+    """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file,
+    the formats its models run in here (``auto`` resolves per machine) and, for SemanticSpec, its
+    ``run_identity`` (probe versions, salvage). Rows with another key are stale
     and decoded again. The number of actors is not part of it (a row does not depend on which replica
     decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
     probes' identity, not in the key of the other methods' rows."""
@@ -277,6 +280,7 @@ def run_key(cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any) ->
             "pair": spec,
             "label": label,
             "probes": identity,
+            **({"formats": formats} if formats else {}),
         }
     )
 
@@ -322,17 +326,14 @@ def run_evaluate(
     try:
         # 1. what the decoders are: methods that cannot run on this pair are skipped with the reason
         plan = pool.plan(next(iter(problems)))
-        log.info(
-            "evaluate: %s",
-            ", ".join(
-                f"{r} {d['model_id']} ({d['dtype']}, {d['device']})" for r, d in plan["models"].items()
-            ),
-        )
+        for r, d in plan["models"].items():
+            log.info("evaluate: %s %s (%s, %s): %s", r, d["model_id"], d["dtype"], d["device"], d["why"])
         not_run = plan["not_run"]
         for label, why in not_run.items():
             log.warning("evaluate: skipping %s: %s", label, why)
         labels = [x for x in cfg.method_labels() if x not in not_run]
-        keys = {label: run_key(cfg, pair, label, plan["identity"][label]) for label in labels}
+        formats = {r: d["dtype"] for r, d in plan["models"].items()}
+        keys = {label: run_key(cfg, pair, label, plan["identity"][label], formats) for label in labels}
         # 2. decode what is not on disk yet with the same settings (resume), its MLflow runs open meanwhile
         live = LiveRuns.open(cfg, pair, labels, plan["models"], pins) if log_mlflow else None
         try:
@@ -777,6 +778,7 @@ def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> Non
             "seeds": cfg.seeds,
             "benchmarks": cfg.benchmarks,
             **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},
+            **{f"{r}_format": d.get("why", d["dtype"]) for r, d in metrics.get("_models", {}).items()},
         }
     )
     for bench, ms in metrics.items():

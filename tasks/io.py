@@ -88,11 +88,15 @@ def shard_paths(folder: Path) -> list[Path]:
     return sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
 
 
-def read_shards(folder: Path, columns: list[str] | None = None) -> pa.Table:
-    """All shards of ``folder`` as one table; a clear error when there are none."""
+def read_shards(folder: Path, columns: list[str] | None = None, optional: list[str] = ()) -> pa.Table:
+    """All shards of ``folder`` as one table (``columns``, plus each of ``optional`` that every shard
+    has); a clear error when there are none."""
     paths = shard_paths(folder)
     if not paths:
         raise ValueError(f"no shards (part-*.parquet) in {folder}: run the stage that writes them first")
+    if columns is not None and optional:
+        names = [set(pq.read_schema(p).names) for p in paths]
+        columns = columns + [c for c in optional if all(c in n for n in names)]
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
 
 

@@ -161,12 +161,15 @@ def load_probe(
     alias: str = CHAMPION,
     version: str | None = None,
     pooling: str = "predict",
+    fmt: str | None = None,
 ) -> tuple[nn.Module, ProbeRef]:
     """The registered probe ``semspec-<pair>-<role>-<variant>`` (``@alias``, or ``version`` when given),
     after checking from its tags — before any weights are read — that it was trained on the hidden
     states of ``model_id`` with ``hidden_size``, pooled as ``pooling`` (versions without the tag predate
-    the setting: ``predict``); its weights must match the sha256 tag. Every mismatch, a pickle-format
-    (old) version and a tampered file are clear ``ValueError``s."""
+    the setting: ``predict``), and with ``fmt`` given, of the model run in that format (``int8``,
+    ``bfloat16``, ...; versions without the tag predate formats: ``bfloat16``); its weights must match
+    the sha256 tag. Every mismatch, a pickle-format (old) version and a tampered file are clear
+    ``ValueError``s."""
     name = registered_name(pair, role, variant)
     mv = registered_version(pair, role, variant, alias, version)
     tags = mv.tags or {}
@@ -185,6 +188,14 @@ def load_probe(
             f"probe {name} v{mv.version} read hidden states pooled by {trained_pooling!r}, "
             f"the pair pools by {pooling!r}: retrain the pair's probes (`semspec train --pair {pair}`) or "
             f"set the pair file's `pooling` back"
+        )
+    trained_format = tags.get("format", "bfloat16")
+    if fmt is not None and trained_format != fmt:
+        raise ValueError(
+            f"probe {name} v{mv.version} read hidden states of {model_id} run in {trained_format}, and "
+            f"the model runs in {fmt} here (the pair file's `dtype`, resolved for this machine): retrain "
+            f"the pair's probes here (`semspec train --pair {pair}`, after `semspec sample`), or set the "
+            f"model's `dtype: {trained_format}` in the pair file"
         )
     where = f"probe {name} v{mv.version}"
     folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))

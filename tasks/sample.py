@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
+from semspec.models.formats import resolve_format
 from semspec.models.lm import LM, load_lm
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import Params, SampleConfig
@@ -75,6 +76,9 @@ def sample_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleCo
         "question_id": pa.array(recs["question_id"], pa.string()),
         "role": pa.array([role] * n, pa.string()),
         "model_id": pa.array([lm.model_id] * n, pa.string()),
+        "format": pa.array(
+            [lm.format.name] * n, pa.string()
+        ),  # what the model ran in (probes are per format)
         "sample_idx": pa.array(recs["sample_idx"], pa.int32()),
         "text": pa.array(recs["text"], pa.string()),
         "num_tokens": pa.array(recs["num_tokens"], pa.int32()),
@@ -139,6 +143,7 @@ def run_sample(
         manifest = {
             "pair": pair.name,
             "model_id": spec.model_id,
+            "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
             "spec": asdict(spec),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),

@@ -72,13 +72,14 @@ class ProbeData:
     model_id: str
     hidden_size: int
     num_layers: int  # L+1 hidden-state layers
+    format: str = "bfloat16"  # the format the model ran in when sampling (shards without it predate formats)
 
 
 def load_probe_data(samples_dir: Path, labels_path: Path, variants: list[str]) -> ProbeData:
     """Join a role's samples (features) with its labels on (prefix_id, sample_idx)."""
     feats = [FEATURE_COLUMN[v] for v in variants if v != "random"] or ["h_mean"]
     cols = ["prefix_id", "sample_idx", "question_id", "model_id", "h_mean", *feats]
-    samples = read_shards(samples_dir, columns=list(dict.fromkeys(cols)))
+    samples = read_shards(samples_dir, columns=list(dict.fromkeys(cols)), optional=["format"])
     labels = pq.read_table(labels_path).to_pylist()
     if not labels:
         raise ValueError(f"{labels_path} has no labelled samples (all invalid?)")
@@ -112,7 +113,21 @@ def load_probe_data(samples_dir: Path, labels_path: Path, variants: list[str]) -
         model_id=samples.column("model_id")[0].as_py(),
         hidden_size=d,
         num_layers=n_layers,
+        format=_one_format(samples, samples_dir),
     )
+
+
+def _one_format(samples, samples_dir: Path) -> str:
+    """The one format a role's samples were made in; mixed shards (a resumed run on another machine) are
+    an error: their features would not be alike."""
+    if "format" not in samples.column_names:
+        return "bfloat16"
+    found = sorted(set(samples.column("format").to_pylist()))
+    if len(found) != 1:
+        raise ValueError(
+            f"{samples_dir} mixes samples made in formats {found}: remove the folder and sample again"
+        )
+    return found[0]
 
 
 def only_domain(data: ProbeData, domain: str, labels_path: Path) -> ProbeData:
@@ -556,6 +571,7 @@ class _Trained:
         return {
             "model_id": self.data.model_id,
             "hidden_size": str(self.data.hidden_size),
+            "format": self.data.format,
             "variant": self.variant,
             "feature": FEATURE_COLUMN.get(self.variant, "none"),
             "pooling": run.pair.pooling,

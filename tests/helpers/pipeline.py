@@ -18,14 +18,16 @@ def write_tiny_pair(
     draft_hidden: int = 32,
     target_hidden: int = 64,
     layers: int = 2,
+    dtype: str = "float32",
 ) -> PairConfig:
-    """Save a tiny draft and target (different widths) and their pair YAML; return the parsed pair."""
+    """Save a tiny draft and target (different widths) and their pair YAML (both models in ``dtype``,
+    float32 by default: exact comparisons); return the parsed pair."""
     tok = char_tokenizer()
     for role, seed, hidden in (("draft", 0, draft_hidden), ("target", 1, target_hidden)):
         d = folder / role
         tiny_llama(len(tok), seed=seed, hidden=hidden, layers=layers).save_pretrained(d)
         tok.save_pretrained(d)
-    spec = {"source": "local", "prompt": "plain", "max_step_tokens": max_step_tokens}
+    spec = {"source": "local", "prompt": "plain", "max_step_tokens": max_step_tokens, "dtype": dtype}
     pair = {
         "name": name,
         "draft": {"model_id": f"{name}-draft", "path": str(folder / "draft"), **spec},

@@ -15,8 +15,20 @@ def test_shapes(request, role, layers, hidden):
     assert (lm.num_layers, lm.hidden_size) == (layers, hidden)
 
 
-# Pooling while generating vs prefilling the same step: float32 agrees to rounding; bfloat16 (the draft)
-# accumulates one token vs a whole step differently, so it is held to a mean relative error and cosine.
+# Pooling while generating vs prefilling the same step: float32 agrees to rounding; bfloat16 accumulates
+# one token vs a whole step differently (0.5% measured here), so it is held to a mean relative error and
+# cosine; the int formats decode through their int weights and prefill (more than a few rows) through the
+# dense ones, so there the two differ by the quantization too (int8: 1.2-3.0% on the embedded and the
+# Qwen models, cosine >= 0.9995): held to 5%. The same bound covers an int8 probe read on a CPU whose dense
+# calls run another way (bfloat16 kept, or float32 dequantized): both sides of this test are those paths.
+_POOLING_TOLERANCE = {
+    "float32": (1e-3, None),
+    "bfloat16": (3e-2, 0.999),
+    "int8": (5e-2, 0.999),
+    "int4": (1e-1, 0.995),
+}
+
+
 @pytest.mark.parametrize("role", ["draft", "target"])
 def test_generation_pooling_equals_prefill_pooling(request, role):
     import torch
@@ -26,16 +38,17 @@ def test_generation_pooling_equals_prefill_pooling(request, role):
     s = lm.generate_step(state, n=1, temperature=0.0, max_tokens=24)[0]
     sc = lm.score_step(state, s.text)
     assert sc.token_ids == s.token_ids
+    bound, min_cos = _POOLING_TOLERANCE[lm.format.name]
     for feat in ("last", "all"):
         a, b = s.pooled.feature(feat).float(), sc.pooled.feature(feat).float()
-        if lm.spec.dtype == "float32":
+        if min_cos is None:
             rel = float((a - b).abs().max() / a.abs().mean())
-            assert rel < 1e-3, f"{role}/{feat}: relative pooling difference {rel:.2e}"
+            assert rel < bound, f"{role}/{feat}: relative pooling difference {rel:.2e}"
         else:
             rel = float((a - b).abs().mean() / a.abs().mean())
             cos = float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
-            assert rel < 3e-2 and cos > 0.999, (
-                f"{role}/{feat}: mean relative difference {rel:.2e}, cosine {cos:.5f}"
+            assert rel < bound and cos > min_cos, (
+                f"{role}/{feat} ({lm.dtype_name}): mean relative difference {rel:.2e}, cosine {cos:.5f}"
             )
 
 

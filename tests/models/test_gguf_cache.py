@@ -29,10 +29,10 @@ def gguf(tmp_path, monkeypatch):
     (folder / "m.gguf").write_bytes(b"GGUF stand-in")
     calls: list[int] = []
 
-    def convert(spec, where):
+    def convert(spec, where, dtype):
         calls.append(1)
         tok = char_tokenizer()
-        return tok, tiny_llama(len(tok), seed=len(calls)).to(torch.bfloat16)
+        return tok, tiny_llama(len(tok), seed=len(calls)).to(dtype)
 
     monkeypatch.setattr(lm_module, "_load_pretrained", convert)
     spec = ModelSpec(
@@ -98,6 +98,19 @@ def test_another_dtype_is_another_copy(gguf, tmp_path):
     names = _converted(tmp_path)
     assert len(calls) == 2 and len(names) == 2
     assert {n.split("-")[1] for n in names} == {"bfloat16", "float32"}
+
+
+def test_the_int_formats_share_the_bfloat16_copy_and_quantize_it(gguf, tmp_path):
+    """int8 and int4 load the bfloat16 copy (their activations' dtype) and quantize it after loading: no
+    copy of their own, and the same model as the bfloat16 one before quantization."""
+    spec, calls = gguf
+    dense = load_lm(spec)
+    for fmt in ("int8", "int4"):
+        lm = load_lm(dataclasses.replace(spec, dtype=fmt, device="cpu"))
+        assert lm.format.name == fmt and lm.dtype_name.startswith(fmt)
+        assert any(type(m).__name__ == "QuantLinear" for m in lm.model.modules())
+    assert len(calls) == 1 and len(_converted(tmp_path)) == 1
+    assert dense.format.name == "bfloat16"
 
 
 def test_a_broken_copy_is_deleted_and_the_model_converted_again(gguf, tmp_path, caplog):

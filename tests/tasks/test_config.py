@@ -14,7 +14,7 @@ def test_default_params_are_the_demo_profile():
     assert p.sample.n == 8 and p.sample.max_step_tokens is None  # the pair's budget, as in decoding
     pair = load_pair(p.pair)
     assert pair.draft.max_step_tokens == pair.target.max_step_tokens == 48
-    assert pair.draft.dtype == pair.target.dtype == "bfloat16"
+    assert pair.draft.dtype == pair.target.dtype == "auto"
     assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 16
     assert p.evaluate.max_new_tokens >= 150 and "specsampling" in p.evaluate.methods
     assert p.retrain.cron == "0 3 * * 1" and p.retrain.stages[0] == "ingest"
@@ -22,12 +22,12 @@ def test_default_params_are_the_demo_profile():
     assert p.train.hidden("target") == [2048, 512] and p.train.hidden("draft") == [512, 256]
 
 
-def test_every_pair_runs_in_bfloat16():
+def test_every_shipped_pair_picks_its_format_for_the_machine():
     from semspec.models.project import list_pairs
 
     for name in list_pairs():
         pair = load_pair(name)
-        assert pair.draft.dtype == pair.target.dtype == "bfloat16", name
+        assert pair.draft.dtype == pair.target.dtype == "auto", name
 
 
 def test_profiles_and_overrides():

@@ -127,7 +127,7 @@ def test_bench_runs_token_speculation_or_says_why_not():
     settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
     same = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     out = run_bench(_pair(), same, 2, settings, with_assisted=False, variants=())
-    assert set(out) == {"target", "specsampling", "_models"}
+    assert set(out) == {"target", "specsampling", "_models", "_formats"}
     assert out["specsampling"]["token_acceptance"] is not None and out["specsampling"]["speedup_latency"] > 0
     assert out["target"]["speedup_latency"] == pytest.approx(1.0)
     assert "x latency" in format_bench(out) and "float32" in format_bench(out)

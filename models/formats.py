@@ -1,0 +1,271 @@
+"""Numeric formats a model runs in, chosen for the CPU at hand, and the weight-only quantized layers.
+
+A model spec's ``dtype`` names a format:
+
+* ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
+* ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
+  activations, ``torch.ops.aten._weight_int8pack_mm``;
+* ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
+  bfloat16 activations, ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
+* ``auto``: the fastest correct format for the device (``resolve_format``, a documented rule).
+
+A quantized layer runs a call with few rows (one decode token per row) through its int kernel, which
+reads half (int8) or a quarter (int4) of bfloat16's bytes: decoding is bound by reading the weights. A
+call with many rows (a prompt, a step's verification prefill) is compute-bound, and there the int
+kernels lose to a dense GEMM. So such calls run dense: on a CPU with native bfloat16 (AVX512_BF16 or
+AMX) through the layer's bfloat16 weight, kept beside the int one; elsewhere through float32 weights
+dequantized for that call (a float32 copy would cost 4x the int8 bytes of memory; the dequantization
+costs little against a GEMM of that many rows). Measured on one linear layer of the 1.5B target (1536 ->
+8960, 28 distinct copies so the weights come from memory), ms per call on a 2-core AVX-512 BF16/AMX CPU:
+
+    rows     1     2     4     6     8    16
+    bf16   1.42  1.53  1.53  1.56  1.55  1.44
+    int8   1.00  1.16  1.37  2.17  2.54  4.33
+    int4   0.60  0.61  0.75  1.31  1.44  2.64
+
+and on an AVX2-only CPU (no native bfloat16; the figures that motivated the formats): float32 5.6 / 21.9
+/ 39.6 / 142.5 ms at 1 / 8 / 48 / 384 rows, bfloat16 2.7 / 13.6 / 79.1 / 681.4, int8 2.0 / 5.4 / 31.4 /
+298.0. Hence ``DENSE_ROWS``.
+
+torchao (0.18) was measured too and is not used: its int8 weight-only tensor dequantizes the whole
+weight on every eager call on CPU (3x slower than dense bfloat16 per call here), and neither of its
+configs keeps a dense path for many-row calls; the int kernels it would dispatch to are the PyTorch
+ops called here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DENSE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANTIZED = ("int8", "int4")
+FORMATS = (*DENSE_DTYPES, *QUANTIZED, "auto")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of native bfloat16
+INT4_GROUP = 32  # input channels per int4 scale and zero (the kernel takes 32, 64, 128 or 256)
+# calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off the tables above
+# (native: where the int kernel stops beating AMX; AVX2: between the 48 rows where int8 wins and the
+# 384 where float32 wins by 2x, interpolated)
+# (int4 without native bfloat16 has no dense path: its packed weights cannot be dequantized cheaply, and
+# a float32 copy would cost 8x their memory)
+DENSE_ROWS = {("int8", True): 4, ("int4", True): 8, ("int8", False): 64, ("int4", False): None}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What the format rule reads about the CPU: torch's vector ISA and the kernel's feature flags."""
+
+    capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+    flags: frozenset[str]  # /proc/cpuinfo flags (lower case)
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 matrix products run in hardware (AVX512_BF16 or AMX)."""
+        return bool(self.flags & NATIVE_BF16_FLAGS)
+
+    def label(self) -> str:
+        """E.g. ``AVX512, native bf16`` or ``AVX2, no native bf16``."""
+        return f"{self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}"
+
+
+def _cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    try:
+        text = path.read_text()
+    except OSError:  # not Linux: no flags, so no native bfloat16 is assumed
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].lower().split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """The CPU at hand (read once per process)."""
+    return CpuInfo(torch.backends.cpu.get_cpu_capability(), _cpu_flags())
+
+
+@dataclass(frozen=True)
+class Format:
+    """What a model runs in: the weights' format, the activations' dtype and, for the quantized
+    formats, which calls run dense and how."""
+
+    name: str  # float32 | float16 | bfloat16 | int8 | int4
+    activations: torch.dtype  # hidden states, attention, norms, KV cache (pooled features are float32)
+    dense_rows: int | None = None  # quantized: calls with more rows than this run dense (None: none do)
+    dense_copy: bool = False  # quantized: keep the bfloat16 weight for them (else dequantize to float32)
+    requested: str = ""  # what the spec said (``auto`` or the name)
+    reason: str = ""  # why, for a person reading a figure
+
+    @property
+    def quantized(self) -> bool:
+        """Whether linear layers hold int weights."""
+        return self.name in QUANTIZED
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype the checkpoint is loaded in before any quantization."""
+        return DENSE_DTYPES[self.name] if not self.quantized else self.activations
+
+    def label(self) -> str:
+        """Short, printed beside every figure: ``int8 (bfloat16 above 4 rows)``, ``bfloat16``."""
+        if not self.quantized:
+            return self.name
+        if self.dense_rows is None:
+            return self.name
+        dense = "bfloat16" if self.dense_copy else "float32"
+        return f"{self.name} ({dense} above {self.dense_rows} rows)"
+
+    def describe(self) -> str:
+        """The choice and why: ``auto -> int8 (bfloat16 above 4 rows): AVX512, native bf16: ...``."""
+        head = f"{self.requested} -> {self.label()}" if self.requested == "auto" else self.label()
+        return f"{head}: {self.reason}" if self.reason else head
+
+
+def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = None) -> Format:
+    """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
+    one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU ``int8``, whose dense
+    calls run in bfloat16 where the CPU has native bfloat16 and in float32 elsewhere (bfloat16 without
+    native support is 3-5x slower than float32 for every call with many rows)."""
+    if requested not in FORMATS:
+        raise ValueError(f"field 'dtype' must be one of {FORMATS}, got {requested!r}")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not on_cpu:
+        if requested in QUANTIZED:
+            raise ValueError(
+                f"field 'dtype': {requested} is a CPU format (weight-only int kernels for the CPU); on "
+                f"{device} use bfloat16, float16 or auto"
+            )
+        if requested == "auto":
+            return Format("bfloat16", torch.bfloat16, requested="auto", reason=f"{device}: bfloat16")
+        return Format(requested, DENSE_DTYPES[requested], requested=requested)
+    cpu = cpu or cpu_info()
+    if requested in DENSE_DTYPES:
+        note = ""
+        if requested == "bfloat16" and not cpu.native_bf16:
+            note = f"{cpu.label()}: calls with many rows run 3-5x slower than float32"
+        return Format(requested, DENSE_DTYPES[requested], requested=requested, reason=note)
+    name = "int8" if requested == "auto" else requested
+    native = cpu.native_bf16
+    rows = DENSE_ROWS[(name, native)]
+    if rows is None:
+        reason = f"{cpu.label()}: {name} weights for every call"
+    else:
+        dense = "bfloat16 (kept beside the int weights)" if native else "float32 (dequantized per call)"
+        reason = f"{cpu.label()}: {name} weights for calls of up to {rows} rows (decoding), {dense} above"
+    return Format(name, torch.bfloat16, rows, native, requested=requested, reason=reason)
+
+
+# ----------------------------------------------------------------------------------- quantized layers
+def quantize_int8(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per output channel
+    (``w ≈ q * scale``). Done in row chunks so each stays in cache."""
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    for s in range(0, n, chunk):
+        blk = weight[s : s + chunk].to(torch.float32, copy=True)  # (c, K), divided in place below
+        sc = blk.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (c,)
+        q[s : s + chunk] = blk.div_(sc[:, None]).round_().clamp_(-127, 127)
+        scale[s : s + chunk] = sc
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float weight -> (N, K) int32 values in [0, 15] and (K / group, N, 2) float32 (scale, zero)
+    per group of ``group`` input channels, the kernel's convention: ``w ≈ (q - 8) * scale + zero``
+    (min-max asymmetric, so each group's range is used whole)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)  # (N, G, group)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)  # (N, G)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = ((w - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8.0 * scale
+    return q, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()  # (G, N, 2)
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``: calls of up to ``dense_rows`` rows run the int kernel,
+    larger ones a dense GEMM (the kept bfloat16 weight, or float32 weights dequantized for the call).
+    Input and output are in the activation dtype."""
+
+    def __init__(self, linear: nn.Linear, fmt: Format) -> None:
+        super().__init__()
+        if not fmt.quantized:
+            raise ValueError(f"QuantLinear needs an int8 or int4 format, got {fmt.name}")
+        weight = linear.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.bits = 8 if fmt.name == "int8" else 4
+        self.dense_rows, self.act = fmt.dense_rows, fmt.activations
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.act), False)
+        if self.bits == 8:
+            q, scale = quantize_int8(weight)
+            self.register_buffer("qweight", q)  # (N, K) int8
+            self.register_buffer("scales", scale.to(self.act))  # (N,)
+        else:
+            q, sz = quantize_int4(weight)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            self.register_buffer("scales", sz.to(self.act))  # (K / group, N, 2)
+        dense = weight.to(self.act) if fmt.dense_copy else None
+        self.register_buffer("dense", dense, persistent=False)  # (N, K) or None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, dense above {self.dense_rows} rows"
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4's packing is the kernel's own)."""
+        if self.bits != 8:
+            raise ValueError("only int8 weights are dequantized; int4 runs its kernel for every call")
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)  # (M, N)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.act).contiguous()  # (M, K)
+        if self.dense_rows is None or x2.shape[0] <= self.dense_rows:
+            y = self._int_mm(x2)  # (M, N)
+        elif self.dense is not None:
+            y = nn.functional.linear(x2, self.dense)
+        else:
+            y = nn.functional.linear(x2.float(), self.dequantized(torch.float32)).to(self.act)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, fmt: Format) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (output head included) by a ``QuantLinear`` of ``fmt``, in
+    place; a layer whose shape the kernel cannot take stays dense (logged). Returns the count replaced."""
+    done, skipped = 0, []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if not _fits(child, fmt):
+                skipped.append(f"{name} {tuple(child.weight.shape)}")
+                continue
+            setattr(parent, name, QuantLinear(child, fmt))
+            done += 1
+    if skipped:
+        log.info(
+            "%s: %d linear layers stay dense (shape): %s", fmt.name, len(skipped), ", ".join(skipped[:4])
+        )
+    return done
+
+
+def _fits(linear: nn.Linear, fmt: Format) -> bool:
+    n, k = linear.weight.shape
+    if fmt.name == "int4":
+        return k % INT4_GROUP == 0 and n % 8 == 0
+    return True
