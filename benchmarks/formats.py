@@ -1,0 +1,212 @@
+"""Numeric formats on the CPU at hand: what each costs per call, and what it changes in the answers.
+
+    python benchmarks/formats.py layer                      # one linear layer of the 1.5B target, by rows
+    python benchmarks/formats.py speed [--pair qwen-coder] [--formats bfloat16 float32 int8 int4]
+    python benchmarks/formats.py quality [--pair qwen-coder] [--n 40] [--formats bfloat16 int8]
+
+``speed`` loads each model of the pair in each format (``semspec.models.lm.load_lm``, the product's own
+calls: hidden states kept, pooled as decoding pools) and prints decode ms/token for 1 row, one decode
+forward of 8 rows, a step's verification prefill (ms/token, 1 row, cached context) and a prompt
+prefill, beside the floor: the bytes one decode token reads (every linear layer's weights and scales,
+the output head included; embeddings are gathered, not read) over the read bandwidth measured here.
+``quality`` decodes ``--n`` arithmetic test problems with the target alone in each format (greedy, the
+evaluation's batching) and prints pass@1 with its 95% interval, the paired difference to the first
+format, and token agreement with it (the share of its output tokens each problem shares as a prefix,
+and the problems with the same output). The CPU's capability and each model's format are printed beside
+every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from semspec.models.decoding import DecodeSettings
+from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
+from semspec.models.grading import grade
+from semspec.models.lm import LM, load_lm
+from semspec.models.project import load_pair
+from semspec.tasks.data import generate_arith
+from semspec.tasks.decoders import build_decoder
+from semspec.tasks.evaluate import bootstrap_pass
+
+CONTEXT = "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. How much does Tom spend in total?"
+STEP = "Next, 4 erasers at $0.50 each cost 4 * 0.50 = $2, so the erasers cost $2 in total.\n\n"
+
+
+def bandwidth_gbs() -> float:
+    """Read bandwidth: the best of five sums over 1 GiB of float32."""
+    x = torch.ones(256 * 1024 * 1024)
+    best = 1e9
+    for _ in range(6):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode token reads: every linear layer's weights (int weights and scales for a quantized
+    one), biases and norms; embedding tables are gathered a row at a time and left out."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += sum(t.numel() * t.element_size() for t in (mod.qweight, mod.scales))
+        elif isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def _best(fn, reps: int = 3) -> float:
+    fn()
+    return min(_timed(fn) for _ in range(reps))
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
+    """ms: decode per token (1 row), one decode forward of 8 rows, step prefill per token, prompt prefill."""
+    prompt = lm.format_prompt(CONTEXT)
+    state = lm.prefill(prompt)
+    step = lm.continuation_ids(state.text, state.ids, STEP)
+
+    def decode_one():
+        cache = state.clone().cache
+        nxt = torch.tensor([[int(state.logits.argmax())]])
+        for _ in range(tokens):
+            logits, _, cache = lm.forward(nxt, cache)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+
+    rows = [state.clone() for _ in range(8)]
+
+    def decode_eight():
+        caches = [r.clone().cache for r in rows]
+        lm.forward_rows(caches, [[int(state.logits.argmax())]] * 8)
+
+    return {
+        "decode": 1000 * _best(decode_one) / tokens,
+        "decode8": 1000 * _best(decode_eight),
+        "step": 1000 * _best(lambda: lm.score_steps([state.clone()], [STEP])) / len(step),
+        "prompt": 1000 * _best(lambda: lm.prefill(prompt), reps=2),
+        "prompt_tokens": len(state.ids),
+    }
+
+
+def speed(a: argparse.Namespace) -> None:
+    bw = bandwidth_gbs()
+    print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}, read bandwidth {bw:.1f} GB/s")
+    print(
+        f"{'model':42s} {'format':30s} {'decode 1 row':>13s} {'fwd 8 rows':>11s} {'step prefill':>13s}"
+        f" {'prompt':>9s} {'floor':>7s} {'x floor':>7s}"
+    )
+    pair = load_pair(a.pair)
+    for role in ("draft", "target"):
+        for fmt in a.formats:
+            lm = load_lm(dataclasses.replace(pair.role(role), dtype=fmt))
+            c = costs(lm)
+            floor = decode_bytes(lm.model) / 1e9 / bw * 1000
+            print(
+                f"{lm.model_id[:42]:42s} {lm.dtype_name[:30]:30s} {c['decode']:8.1f} ms/t {c['decode8']:8.1f} ms"
+                f" {c['step']:8.2f} ms/t {c['prompt']:6.0f} ms {floor:5.1f} ms {c['decode'] / floor:6.2f}x",
+                flush=True,
+            )
+            del lm
+    print(f"prompt: {c['prompt_tokens']} tokens; step: {STEP!r}")
+
+
+def layer(a: argparse.Namespace) -> None:
+    """One linear layer of the 1.5B (1536 -> 8960), 28 distinct copies so its weights come from memory."""
+    from semspec.models.formats import Format
+
+    k, n, copies = 1536, 8960, 28
+    torch.manual_seed(0)
+    dense = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
+    fp32 = [torch.nn.Linear(k, n, bias=False) for _ in range(copies // 2)]
+    quant = {
+        name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")
+    }
+    print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer")
+    print(f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s}")
+    with torch.inference_mode():
+        for m in a.rows:
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            cells = [_best(lambda: [f(x) for f in fp32]) / len(fp32)]
+            cells.append(_best(lambda: [f(xb) for f in dense]) / copies)
+            cells += [_best(lambda q=q: [f(xb) for f in q]) / copies for q in quant.values()]
+            print(f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells), flush=True)
+
+
+def quality(a: argparse.Namespace) -> None:
+    pair = load_pair(a.pair)
+    problems = generate_arith(a.n, "test", seed=0)
+    settings = DecodeSettings(max_new_tokens=a.max_new_tokens, temperature=0.0)
+    print(f"cpu: {cpu_info().label()}; {a.n} arithmetic test problems, target alone, greedy, {a.max_new_tokens} tokens")
+    outs: dict[str, list] = {}
+    for fmt in a.formats:
+        lm = load_lm(dataclasses.replace(pair.target, dtype=fmt))
+        dec = build_decoder("target", pair, {"target": lm}, settings)
+        t0 = time.perf_counter()
+        res = dec.decode_batch([p.question for p in problems], a.batch)
+        wall = time.perf_counter() - t0
+        grades = [grade("arith", p.answer, r.text)[1] for p, r in zip(problems, res, strict=True)]
+        ids = [lm.tokenizer(r.text, add_special_tokens=False)["input_ids"] for r in res]
+        outs[fmt] = [lm.dtype_name, grades, ids, wall]
+        del lm, dec
+    _, base_grades, base_ids, _ = outs[a.formats[0]]
+    print(f"{'format':30s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}")
+    for fmt, (label, grades, ids, wall) in outs.items():
+        stats = bootstrap_pass(grades, base_grades)
+        agree = [_prefix(x, y) / max(1, len(y)) for x, y in zip(ids, base_ids, strict=True)]
+        same = sum(x == y for x, y in zip(ids, base_ids, strict=True))
+        lo, hi = stats["pass@1_ci95"]
+        dlo, dhi = stats["delta_vs_target_ci95"]
+        print(
+            f"{label[:30]:30s} {statistics.mean(grades):7.3f}  [{lo:.2f}, {hi:.2f}]  {stats['delta_vs_target']:+.3f} [{dlo:+.2f}, {dhi:+.2f}]"
+            f" {statistics.mean(agree):16.3f} {same:6d}/{len(ids)} {wall:7.0f}",
+            flush=True,
+        )
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--pair", default="qwen-coder")
+    s.add_argument("--formats", nargs="+", default=["bfloat16", "float32", "int8", "int4"])
+    la = sub.add_parser("layer")
+    la.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 48, 384])
+    q = sub.add_parser("quality")
+    q.add_argument("--pair", default="qwen-coder")
+    q.add_argument("--n", type=int, default=40)
+    q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--max-new-tokens", type=int, default=512)
+    q.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
+    a = ap.parse_args()
+    if getattr(a, "formats", None):
+        bad = [f for f in a.formats if f not in (*DENSE_DTYPES, "int8", "int4", "auto")]
+        if bad:
+            ap.error(f"unknown format(s) {bad}")
+    {"speed": speed, "layer": layer, "quality": quality}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
