@@ -62,8 +62,8 @@ class TokenSpecDecoder:
 
 def same_vocabulary(draft: LM, target: LM) -> bool:
     """Whether the two models share one vocabulary (token ids mean the same text and logits align)."""
-    dv = draft.model.get_output_embeddings().weight.shape[0]
-    tv = target.model.get_output_embeddings().weight.shape[0]
+    dv = draft.model.get_output_embeddings().out_features  # nn.Linear and QuantLinear alike
+    tv = target.model.get_output_embeddings().out_features
     return dv == tv and draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
 
 

@@ -174,3 +174,35 @@ def test_a_model_built_in_memory_reports_its_dtype_as_its_format():
     q = _in_format(lm, resolve_format("int8", "cpu", AMX))
     assert q.describe()["format"] == "int8" and q.describe()["dtype"] == "int8 (bfloat16 above 4 rows)"
     assert "AVX512, native bf16" in q.describe()["why"]
+
+
+def test_every_decoder_runs_on_int8_models():
+    """Decoders, transformers' assisted generation included, on quantized models: nothing reads a linear
+    layer's ``weight`` (an int layer has none), and greedy target-only decoding is SemanticSpec's output
+    when every step is rejected."""
+    from semspec.models.decoding import (
+        DecodeSettings,
+        SemanticSpecDecoder,
+        SingleModelDecoder,
+        SpecReasonDecoder,
+    )
+    from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
+
+    fmt = Format("int8", torch.float32, dense_rows=4, dense_copy=True)
+    draft, target = (_in_format(tiny_lm(seed=s, hidden=64), fmt) for s in (1, 2))
+    settings = DecodeSettings(max_new_tokens=24, step_tokens=8, temperature=0.0)
+    never = lambda pooled: 0.0  # noqa: E731 - the target's probe: it would never say this (reject all)
+    sure = lambda pooled: 1.0  # noqa: E731
+    ref = SingleModelDecoder(target, settings, "target").decode(QUESTION)
+    decoders = [
+        SingleModelDecoder(draft, settings, "draft"),
+        SemanticSpecDecoder(draft, target, sure, never, settings),
+        SpecReasonDecoder(draft, target, settings),
+        TokenSpecDecoder(draft, target, settings, lookahead=3),
+        AssistedDecoder(draft, target, settings),
+    ]
+    for dec in decoders:
+        res = dec.decode(QUESTION)
+        assert res.output_tokens > 0, dec.method
+        if dec.method in ("semanticspec", "specsampling"):
+            assert res.text == ref.text, f"{dec.method} on int8 is not the target's greedy output"
