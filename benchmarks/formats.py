@@ -131,9 +131,7 @@ def layer(a: argparse.Namespace) -> None:
     torch.manual_seed(0)
     dense = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
     fp32 = [torch.nn.Linear(k, n, bias=False) for _ in range(copies // 2)]
-    quant = {
-        name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")
-    }
+    quant = {name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")}
     print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer")
     print(f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s}")
     with torch.inference_mode():
@@ -150,7 +148,9 @@ def quality(a: argparse.Namespace) -> None:
     pair = load_pair(a.pair)
     problems = generate_arith(a.n, "test", seed=0)
     settings = DecodeSettings(max_new_tokens=a.max_new_tokens, temperature=0.0)
-    print(f"cpu: {cpu_info().label()}; {a.n} arithmetic test problems, target alone, greedy, {a.max_new_tokens} tokens")
+    print(
+        f"cpu: {cpu_info().label()}; {a.n} arithmetic test problems, target alone, greedy, {a.max_new_tokens} tokens"
+    )
     outs: dict[str, list] = {}
     for fmt in a.formats:
         lm = load_lm(dataclasses.replace(pair.target, dtype=fmt))
@@ -163,7 +163,9 @@ def quality(a: argparse.Namespace) -> None:
         outs[fmt] = [lm.dtype_name, grades, ids, wall]
         del lm, dec
     _, base_grades, base_ids, _ = outs[a.formats[0]]
-    print(f"{'format':30s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}")
+    print(
+        f"{'format':30s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}"
+    )
     for fmt, (label, grades, ids, wall) in outs.items():
         stats = bootstrap_pass(grades, base_grades)
         agree = [_prefix(x, y) / max(1, len(y)) for x, y in zip(ids, base_ids, strict=True)]

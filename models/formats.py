@@ -12,9 +12,9 @@ A model spec's ``dtype`` names a format:
 A quantized layer runs a call with few rows (one decode token per row) through its int kernel, which
 reads half (int8) or a quarter (int4) of bfloat16's bytes: decoding is bound by reading the weights. A
 call with many rows (a prompt, a step's verification prefill) is compute-bound, and there the int
-kernels lose to a dense GEMM. So such calls run dense: on a CPU with native bfloat16 (AVX512_BF16 or
-AMX) through the layer's bfloat16 weight, kept beside the int one; elsewhere through float32 weights
-dequantized for that call (a float32 copy would cost 4x the int8 bytes of memory; the dequantization
+kernels lose to a dense GEMM. So such calls run dense, on the same weights: on a CPU with native
+bfloat16 (AVX512_BF16 or AMX) through a bfloat16 copy of the dequantized int weights, kept beside them;
+elsewhere through float32 weights dequantized for that call (a float32 copy would cost 4x the int8 bytes of memory; the dequantization
 costs little against a GEMM of that many rows). Measured on one linear layer of the 1.5B target (1536 ->
 8960, 28 distinct copies so the weights come from memory), ms per call on a 2-core AVX-512 BF16/AMX CPU:
 
@@ -158,7 +158,7 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
     if rows is None:
         reason = f"{cpu.label()}: {name} weights for every call"
     else:
-        dense = "bfloat16 (kept beside the int weights)" if native else "float32 (dequantized per call)"
+        dense = "bfloat16 (a dequantized copy)" if native else "float32 (dequantized per call)"
         reason = f"{cpu.label()}: {name} weights for calls of up to {rows} rows (decoding), {dense} above"
     return Format(name, torch.bfloat16, rows, native, requested=requested, reason=reason)
 
@@ -213,16 +213,20 @@ class QuantLinear(nn.Module):
             q, sz = quantize_int4(weight)
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             self.register_buffer("scales", sz.to(self.act))  # (K / group, N, 2)
-        dense = weight.to(self.act) if fmt.dense_copy else None
+        # the dense copy holds the int weights dequantized, not the original ones: every call, whichever
+        # kernel runs it, multiplies by the same weights (up to the activation dtype's rounding), so a step
+        # decoded token by token and the same step prefilled pool alike, as in a dense format
+        dense = _dequantize(q, scale if self.bits == 8 else sz).to(self.act) if fmt.dense_copy else None
         self.register_buffer("dense", dense, persistent=False)  # (N, K) or None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}, dense above {self.dense_rows} rows"
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4's packing is the kernel's own)."""
+        """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4's packing is the kernel's own:
+        its dense copy is made before packing)."""
         if self.bits != 8:
-            raise ValueError("only int8 weights are dequantized; int4 runs its kernel for every call")
+            raise ValueError("only int8 weights are dequantized per call; int4 keeps a dense copy or none")
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,6 +246,17 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def _dequantize(q: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """float32 (N, K) weights from ``quantize_int8``'s (q, scales (N,)) or ``quantize_int4``'s (q,
+    (G, N, 2) scales and zeros)."""
+    if params.dim() == 1:
+        return q.float() * params[:, None]
+    n, k = q.shape
+    scale, zero = params[..., 0].t(), params[..., 1].t()  # (N, G)
+    groups = (q.float().reshape(n, -1, k // params.shape[0]) - 8.0) * scale[..., None] + zero[..., None]
+    return groups.reshape(n, k)
 
 
 def quantize_model(model: nn.Module, fmt: Format) -> int:

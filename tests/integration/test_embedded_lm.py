@@ -17,16 +17,12 @@ def test_shapes(request, role, layers, hidden):
 
 # Pooling while generating vs prefilling the same step: float32 agrees to rounding; bfloat16 accumulates
 # one token vs a whole step differently (0.5% measured here), so it is held to a mean relative error and
-# cosine; the int formats decode through their int weights and prefill (more than a few rows) through the
-# dense ones, so there the two differ by the quantization too (int8: 1.2-3.0% on the embedded and the
-# Qwen models, cosine >= 0.9995): held to 5%. The same bound covers an int8 probe read on a CPU whose dense
-# calls run another way (bfloat16 kept, or float32 dequantized): both sides of this test are those paths.
-_POOLING_TOLERANCE = {
-    "float32": (1e-3, None),
-    "bfloat16": (3e-2, 0.999),
-    "int8": (5e-2, 0.999),
-    "int4": (1e-1, 0.995),
-}
+# cosine. The int formats decode through their int kernels and prefill (more than a few rows) through a
+# dense copy of the same int weights, so they round like bfloat16 (int8: 0.5-0.7% on the embedded and the
+# Qwen models): the same bound. It also covers an int8 probe read on a CPU whose dense calls run the other
+# way (bfloat16 copy, or float32 dequantized per call): both are the int weights.
+_POOLING_TOLERANCE = {"float32": (1e-3, None)}
+_ROUNDED = (3e-2, 0.999)
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])
@@ -38,7 +34,7 @@ def test_generation_pooling_equals_prefill_pooling(request, role):
     s = lm.generate_step(state, n=1, temperature=0.0, max_tokens=24)[0]
     sc = lm.score_step(state, s.text)
     assert sc.token_ids == s.token_ids
-    bound, min_cos = _POOLING_TOLERANCE[lm.format.name]
+    bound, min_cos = _POOLING_TOLERANCE.get(lm.format.name, _ROUNDED)
     for feat in ("last", "all"):
         a, b = s.pooled.feature(feat).float(), sc.pooled.feature(feat).float()
         if min_cos is None:

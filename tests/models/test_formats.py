@@ -110,17 +110,29 @@ def test_int8_and_int4_quantization_round_trip_within_their_grids():
 
 
 @pytest.mark.parametrize("dense_copy", [True, False])
-def test_a_quantized_layer_runs_few_rows_through_its_kernel_and_many_rows_dense(dense_copy):
+def test_a_quantized_layer_runs_few_rows_through_its_kernel_and_many_rows_dense_on_the_same_weights(
+    dense_copy,
+):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
     q = QuantLinear(lin, Format("int8", torch.float32, dense_rows=4, dense_copy=dense_copy))
     exact = q.dequantized()  # (N, K): what the int kernel multiplies by
+    assert (q.dense is not None) is dense_copy
+    if dense_copy:
+        assert torch.equal(q.dense, exact), "the dense copy is the int weights dequantized"
     few, many = torch.randn(2, 2, 64), torch.randn(2, 5, 64)  # 4 rows: the kernel; 10 rows: dense
     assert torch.allclose(q(few), few @ exact.t() + lin.bias, atol=1e-5)
-    dense = lin.weight if dense_copy else exact
-    assert torch.allclose(q(many), many @ dense.t() + lin.bias, atol=1e-5)
-    if dense_copy:
-        assert not torch.allclose(q(few), lin(few), atol=1e-6), "few rows are int8, not the dense copy"
+    assert torch.allclose(q(many), many @ exact.t() + lin.bias, atol=1e-5)
+    assert not torch.allclose(q(many), lin(many), atol=1e-4), "int8 weights, not the original ones"
+
+
+def test_an_int4_layers_dense_copy_is_its_int_weights():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=False)
+    q = QuantLinear(lin, Format("int4", torch.float32, dense_rows=4, dense_copy=True))
+    eye = torch.eye(64)[:4]  # 4 rows: the kernel, whose output is the first 4 input channels' weights
+    assert torch.allclose(q(eye), q.dense[:, :4].t(), atol=1e-5)
+    assert float((q.dense - lin.weight.detach()).abs().max()) > 1e-3, "int4 weights, not the original ones"
 
 
 def _greedy(lm: LM, tokens: int = 40) -> list[int]:
