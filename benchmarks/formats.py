@@ -138,9 +138,9 @@ def layer(a: argparse.Namespace) -> None:
         for m in a.rows:
             x = torch.randn(m, k)
             xb = x.bfloat16()
-            cells = [_best(lambda: [f(x) for f in fp32]) / len(fp32)]
-            cells.append(_best(lambda: [f(xb) for f in dense]) / copies)
-            cells += [_best(lambda q=q: [f(xb) for f in q]) / copies for q in quant.values()]
+            cells = [_best(lambda x=x: [f(x) for f in fp32]) / len(fp32)]
+            cells.append(_best(lambda xb=xb: [f(xb) for f in dense]) / copies)
+            cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
             print(f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells), flush=True)
 
 
@@ -166,7 +166,7 @@ def quality(a: argparse.Namespace) -> None:
     print(
         f"{'format':30s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}"
     )
-    for fmt, (label, grades, ids, wall) in outs.items():
+    for label, grades, ids, wall in outs.values():
         stats = bootstrap_pass(grades, base_grades)
         agree = [_prefix(x, y) / max(1, len(y)) for x, y in zip(ids, base_ids, strict=True)]
         same = sum(x == y for x, y in zip(ids, base_ids, strict=True))
@@ -180,8 +180,9 @@ def quality(a: argparse.Namespace) -> None:
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
