@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from semspec.models.formats import resolve_format
 from semspec.tasks.ingest import source_fingerprint
 from semspec.tasks.io import config_hash
 
@@ -33,10 +34,14 @@ FINGERPRINT_REASONS = {"config_hash": "config changed", "source_hash": "data cha
 
 
 def pipeline_fingerprint(params: Any, pair: Any) -> dict[str, str]:
-    """What a pair's probes were trained from, as version tags: ``config_hash`` over the pair file and
-    the ingest/sample/cluster/train params, ``source_hash`` over the ingested source data."""
+    """What a pair's probes were trained from, as version tags: ``config_hash`` over the pair file, the
+    format each model resolves to on this machine (``dtype: auto`` picks per CPU, and probes are per
+    format) and the ingest/sample/cluster/train params, ``source_hash`` over the ingested source data."""
     sections = {name: asdict(getattr(params, name)) for name in ("ingest", "sample", "cluster", "train")}
+    formats = {
+        r: resolve_format(s.dtype, s.device).name for r, s in (("draft", pair.draft), ("target", pair.target))
+    }
     return {
-        "config_hash": config_hash(_fingerprinted({"pair": asdict(pair), **sections})),
+        "config_hash": config_hash(_fingerprinted({"pair": asdict(pair), "formats": formats, **sections})),
         "source_hash": source_fingerprint(params.ingest),
     }

@@ -137,6 +137,15 @@ def ensure_manifest(folder: Path, manifest: dict[str, Any]) -> bool:
     return False
 
 
+def source_md5(*modules: Any) -> str:
+    """MD5 over the source files of ``modules``: what code made a stage's shards (a resumed stage must not
+    mix shards of two versions of the code that computes them)."""
+    h = hashlib.md5()
+    for mod in modules:
+        h.update(file_md5(Path(mod.__file__)).encode())
+    return h.hexdigest()
+
+
 def file_md5(path: Path) -> str:
     """MD5 of a file's bytes."""
     h = hashlib.md5()

@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
+from semspec.models import formats, steps
+from semspec.models import lm as lm_module
 from semspec.models.formats import resolve_format
 from semspec.models.lm import LM, load_lm
 from semspec.models.pair import ModelSpec, PairConfig
@@ -31,6 +33,7 @@ from semspec.tasks.io import (
     fixed_list,
     shard_name,
     shard_paths,
+    source_md5,
     write_parquet_atomic,
 )
 from semspec.tasks.ray_utils import get_result, init_ray, restartable
@@ -144,6 +147,7 @@ def run_sample(
             "pair": pair.name,
             "model_id": spec.model_id,
             "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
+            "code_md5": source_md5(lm_module, formats, steps),  # and shards of other feature code
             "spec": asdict(spec),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -307,6 +308,10 @@ def test_registry_round_trip_and_mismatch(stages, trained):
         load_probe("tiny", "target", "all", "tiny-target", 640)
     with pytest.raises(ValueError, match="pooled by 'predict', the pair pools by 'tokens': retrain"):
         load_probe("tiny", "target", "all", "tiny-target", 64, pooling="tokens")
+    # probes are per format: these read float32 models (the tiny pair's dtype), and are refused for int8
+    assert load_probe("tiny", "target", "all", "tiny-target", 64, fmt="float32")[1].version
+    with pytest.raises(ValueError, match=r"run in float32, and the model runs in int8 here.*retrain"):
+        load_probe("tiny", "target", "all", "tiny-target", 64, fmt="int8")
     with pytest.raises(
         ValueError, match=r"no registered probe semspec-nope-draft-all@champion.*semspec train"
     ):
@@ -355,6 +360,28 @@ def test_sample_stage_through_ray_actors(tmp_path):
     for role in ("draft", "target"):
         t = read_shards(tmp_path / "samples" / role)
         assert t.num_rows == 4 * 3 and set(t.column("model_id").to_pylist()) == {f"tiny-{role}"}
+
+
+def test_samples_of_other_feature_code_or_format_are_made_again(tmp_path, monkeypatch):
+    """A resumed sample stage keeps shards only when the code that computed their features and the format
+    the model ran in are the same: hidden states of two versions are not alike."""
+    import semspec.tasks.sample as sample_module
+
+    pair = write_tiny_pair(tmp_path, max_step_tokens=4)
+    p = load_params(
+        profile="tiny", overrides=["sample.executor=local", "ingest.max_questions=2", "sample.n=2"]
+    )
+    prefixes = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet")
+    run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+    shards = sorted((tmp_path / "samples" / "draft").glob("part-*.parquet"))
+    t = read_shards(tmp_path / "samples" / "draft")
+    assert set(t.column("format").to_pylist()) == {"float32"}, "each row says what its model ran in"
+    stamp = {f: f.stat().st_mtime_ns for f in shards}
+    run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+    assert {f: f.stat().st_mtime_ns for f in shards} == stamp, "same code and format: resumed, kept"
+    monkeypatch.setattr(sample_module, "source_md5", lambda *mods: "other code")
+    run_sample(p.sample, pair, prefixes, tmp_path / "samples")
+    assert all(f.stat().st_mtime_ns != stamp.get(f) for f in (tmp_path / "samples" / "draft").glob("part-*"))
 
 
 SAMPLE_SCRIPT = """
@@ -594,7 +621,7 @@ def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
 ALL_ROLES, ALL_VARIANTS = ["draft", "target"], ["last", "all", "mix", "random"]
 
 
-def test_champion_status_tracks_config_and_data(stages, trained):
+def test_champion_status_tracks_config_and_data(stages, trained, monkeypatch):
     from semspec.tasks.fingerprint import pipeline_fingerprint
     from semspec.tasks.retrain import champion_status
 
@@ -610,6 +637,23 @@ def test_champion_status_tracks_config_and_data(stages, trained):
     assert why.startswith("config changed: semspec-tiny-draft-last")
     why = champion_status("tiny", ALL_ROLES, ALL_VARIANTS, {**fp, "source_hash": "md5:0"})
     assert why.startswith("data changed")
+    # the same pair file on a machine where its `dtype: auto` resolves to another format: probes are per
+    # format, so the retrain trains them again there
+    auto = dataclasses.replace(
+        pair,
+        draft=dataclasses.replace(pair.draft, dtype="auto"),
+        target=dataclasses.replace(pair.target, dtype="auto"),
+    )
+    from semspec.models import formats
+
+    monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX2", frozenset({"avx2"})))
+    avx2 = pipeline_fingerprint(params, auto)
+    monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX512", frozenset({"amx_bf16"})))
+    assert pipeline_fingerprint(params, auto) == avx2, "both resolve auto to int8"
+    monkeypatch.setattr(
+        "semspec.tasks.fingerprint.resolve_format", lambda *a: formats.Format("bfloat16", torch.bfloat16)
+    )
+    assert pipeline_fingerprint(params, auto) != avx2, "another format is another config"
     assert (
         champion_status("other", ALL_ROLES, ALL_VARIANTS, fp) == "no champion probe semspec-other-draft-last"
     )
