@@ -267,6 +267,15 @@ STAGE_COMMANDS = {
         "Stage sample: N steps per prefix and role with pooled hidden states (Ray actors; resumes).",
         {"prefixes": "prefixes.parquet to read.", "out": "Folder for samples/<role>/part-*.parquet."},
     ),
+    "cross": StageCommand(
+        "semspec.tasks.cross",
+        "Stage cross: each model reads the other's sampled steps, pooled as a verifier pools them (resumes).",
+        {
+            "prefixes": "prefixes.parquet to read.",
+            "samples": "Samples folder (both roles).",
+            "out": "Folder for cross/<reader>/part-*.parquet.",
+        },
+    ),
     "cluster": StageCommand(
         "semspec.tasks.cluster",
         "Stage cluster: group samples by meaning with the pair's judge -> semantic-probability labels.",
@@ -281,6 +290,7 @@ STAGE_COMMANDS = {
         "Stage train: fit, evaluate, log to MLflow and register the probes (alias champion).",
         {
             "samples": "Samples folder.",
+            "cross": "The cross stage's folder (each model's features over the other's steps).",
             "labels": "Labels folder.",
             "out": "Folder for probes.json (the stored probes' registry versions, URIs and hashes).",
             "metrics": "Test-metrics JSON to write.",

@@ -168,7 +168,7 @@ def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: d
 
 
 def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], force: bool) -> dict[str, Any]:
-    """ingest -> sample -> cluster -> train -> evaluate -> decode smoke for one pair (the stages asked for),
+    """ingest -> sample -> cross -> cluster -> train -> evaluate -> decode smoke for one pair (the stages asked for),
     holding the pair's lock so two runs never write the same outputs."""
     lock = project_root() / ".cache" / "locks" / f"{pair}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,10 @@ def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], f
     return {"stages": runs, "decode": smoke}
 
 
-@flow(name="semspec", description="SemanticSpec pipeline: ingest, sample, cluster, train, evaluate, decode.")
+@flow(
+    name="semspec",
+    description="SemanticSpec pipeline: ingest, sample, cross, cluster, train, evaluate, decode.",
+)
 def semspec(
     pair: str | None = None,
     profile: str | None = None,
@@ -200,7 +203,7 @@ def semspec(
     """Run the pipeline for ``pair`` (default: params.yaml's), or with ``retrain`` for every pair in
     ``conf/pairs/`` whose champion probes are missing or were trained on another config or data.
 
-    ``stages`` picks a subset of ingest, sample, cluster, train, evaluate, decode (default: all; with
+    ``stages`` picks a subset of ingest, sample, cross, cluster, train, evaluate, decode (default: all; with
     ``retrain``: params.yaml's ``retrain.stages``); ``overrides`` are ``section.key=value`` settings.
     """
     overrides = list(overrides or [])

@@ -22,9 +22,27 @@ def metrics_table(res: dict) -> str:
     cols = ["mse", "mae", "spearman", "brier", "ece", "auroc", "n"]
     lines = ["| role | variant | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for role, variants in res.items():
+        if role.startswith("_"):
+            continue
         for v, m in variants.items():
             cells = [f"{m[c]:.4f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
             lines.append(f"| {role} | {v} | " + " | ".join(cells) + " |")
+    if res.get("_routing"):
+        lines += ["", routing_table_md(res["_routing"])]
+    return "\n".join(lines)
+
+
+def routing_table_md(routing: dict) -> str:
+    """Routing metrics per probe variant (and the oracle): does min(1, p/q) accept the draft steps the
+    target shares, and refuse the others?"""
+    cols = ["true_accept", "false_accept", "auroc", "n_shared", "n_not_shared"]
+    lines = [
+        "| routing (test draft steps) | " + " | ".join(cols) + " |",
+        "|" + "---|" * (len(cols) + 1),
+    ]
+    for name, m in routing.items():
+        cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

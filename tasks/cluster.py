@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from semspec.models.judges import Judge, load_judge, semantic_entropy
+from semspec.models.names import ROLES
 from semspec.models.pair import JudgeSpec, PairConfig
 from semspec.tasks.config import ClusterConfig, Params
 from semspec.tasks.io import (
@@ -56,6 +57,27 @@ LABEL_SCHEMA = pa.schema(
         ("semantic_prob", pa.float32()),
         ("semantic_entropy", pa.float32()),
         ("in_largest", pa.bool_()),
+    ]
+)
+
+
+JOINT = "joint"  # labels/joint.parquet: both models' samples of a prefix clustered together
+JOINT_SCHEMA = pa.schema(
+    [
+        ("prefix_id", pa.string()),
+        ("question_id", pa.string()),
+        ("domain", pa.string()),
+        ("author", pa.string()),  # which model wrote the text
+        ("sample_idx", pa.int32()),
+        ("cluster_id", pa.int32()),
+        ("n_valid_draft", pa.int32()),
+        ("n_valid_target", pa.int32()),
+        # the share of each model's valid samples in this text's cluster: p(Sem(s) | C, M), for every text
+        # whoever wrote it; null when that model has no valid sample at this prefix
+        ("share_draft", pa.float32()),
+        ("share_target", pa.float32()),
+        ("largest_draft", pa.bool_()),  # the text's cluster holds the most of the draft's samples
+        ("largest_target", pa.bool_()),
     ]
 )
 
@@ -122,6 +144,50 @@ def label_prefix(
     ]
 
 
+def label_joint(
+    judge: Judge, groups: dict[str, dict[str, Any]], cfg: ClusterConfig, premise: str = ""
+) -> list[dict[str, Any]]:
+    """Joint labels of one prefix: the valid samples of both models (``groups``: role -> that role's group
+    as ``group_samples`` makes it) clustered in one judge call; every text gets, for each model, the share
+    of that model's valid samples in its cluster (null for a model with no valid sample here)."""
+    texts, who = [], []
+    for role in ROLES:
+        g = groups.get(role)
+        if g is None:
+            continue
+        for i, (t, f) in enumerate(zip(g["text"], g["finish_reason"], strict=True)):
+            if is_valid(t, f, cfg.label_length_cut):
+                texts.append(t)
+                who.append((role, g["sample_idx"][i]))
+    if not texts:
+        return []
+    found = judge.cluster(texts, premise if cfg.with_question else "")
+    kept = [(w, c) for w, c in zip(who, found.ids, strict=True) if c is not None]  # too long: unjudged
+    if cfg.noise:
+        first = next(iter(groups.values()))["prefix_id"]
+        ids = inject_noise([c for _, c in kept], cfg.noise, random.Random(f"{cfg.seed}:joint:{first}"))
+        kept = [(w, c) for (w, _), c in zip(kept, ids, strict=True)]
+    counts = {role: Counter(c for (r, _), c in kept if r == role) for role in ROLES}
+    n_valid = {role: sum(counts[role].values()) for role in ROLES}
+    top = {role: max(counts[role].values(), default=0) for role in ROLES}
+    g0 = next(iter(groups.values()))
+    return [
+        {
+            "prefix_id": g0["prefix_id"],
+            "question_id": g0["question_id"],
+            "domain": g0.get("domain", "unknown"),
+            "author": role,
+            "sample_idx": idx,
+            "cluster_id": c,
+            "n_valid_draft": n_valid["draft"],
+            "n_valid_target": n_valid["target"],
+            **{f"share_{m}": counts[m][c] / n_valid[m] if n_valid[m] else None for m in ROLES},
+            **{f"largest_{m}": bool(n_valid[m]) and counts[m][c] == top[m] for m in ROLES},
+        }
+        for (role, idx), c in kept
+    ]
+
+
 class JudgeActor:
     """Holds one judge (a Ray actor, or in-process for the local executor)."""
 
@@ -131,8 +197,14 @@ class JudgeActor:
         self.judge = judge or load_judge(spec)
 
     def label(self, groups: list[dict[str, Any]], cfg: ClusterConfig) -> list[dict[str, Any]]:
-        """Labels for a batch of prefixes."""
-        return [r for g in groups for r in label_prefix(self.judge, g, cfg, g.get("premise", ""))]
+        """Labels for a batch of prefixes (one role's groups, or joint groups: ``{"roles": {...}}``)."""
+        out = []
+        for g in groups:
+            if "roles" in g:
+                out += label_joint(self.judge, g["roles"], cfg, g.get("premise", ""))
+            else:
+                out += label_prefix(self.judge, g, cfg, g.get("premise", ""))
+        return out
 
 
 def group_samples(samples: pa.Table, prefixes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -173,7 +245,8 @@ def run_cluster(
     prefixes_path: Path | None = None,
     judge: Judge | None = None,
 ) -> dict[str, Path]:
-    """Write ``out_dir/<role>.parquet`` for every role sampled in ``samples_dir``; resumes.
+    """Write ``out_dir/<role>.parquet`` for every role sampled in ``samples_dir`` and, when both were,
+    ``out_dir/joint.parquet`` (``label_joint``: both models' samples of a prefix clustered together); resumes.
 
     Each batch of prefixes is written to ``out_dir/.parts/<role>/`` as it is labelled, so a rerun after a
     crash labels only the prefixes without a part (parts made with other settings or samples are dropped).
@@ -185,6 +258,8 @@ def run_cluster(
     if not roles:
         raise ValueError(f"no sample folders in {samples_dir}: run the sample stage first")
     work = {role: group_samples(read_shards(samples_dir / role), prefixes) for role in roles}
+    if set(ROLES) <= set(roles):  # both models sampled: their samples clustered together too
+        work[JOINT] = joint_groups(work)
     parts = out_dir / PARTS
     settings = asdict(cfg)
     for k in ("executor", "batch_prefixes"):  # how the work is spread does not change a label
@@ -195,9 +270,9 @@ def run_cluster(
         "samples_md5": {role: content_md5(samples_dir / role) for role in roles},
         "prefixes_md5": file_md5(Path(prefixes_path)) if prefixes_path is not None else None,
     }
-    done = {role: set() for role in roles}
+    done = {kind: set() for kind in work}
     if ensure_manifest(parts, manifest):
-        done = {role: labelled_prefixes(parts / role) for role in roles}
+        done = {kind: labelled_prefixes(parts / kind) for kind in work}
     todo = {role: [g for g in groups if g["prefix_id"] not in done[role]] for role, groups in work.items()}
     total = sum(len(g) for g in todo.values())
     log.info(
@@ -210,13 +285,25 @@ def run_cluster(
         label_fn = _labels_local if cfg.executor == "local" or judge is not None else _labels_ray
         label_fn(cfg, pair.judge, todo, total, judge, functools.partial(_write_part, parts))
     out = {}
-    for role in roles:
-        out[role] = _finish_role(parts / role, work[role], out_dir / f"{role}.parquet")
+    for kind in work:
+        out[kind] = _finish_role(parts / kind, work[kind], out_dir / f"{kind}.parquet")
     for stale in out_dir.glob("*.parquet"):  # a role no longer sampled
-        if stale.stem not in roles:
+        if stale.stem not in work:
             stale.unlink()
     shutil.rmtree(parts)
     return out
+
+
+def joint_groups(work: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One joint group per prefix that both roles sampled: ``{"prefix_id", "roles": {role: group}}``."""
+    by_prefix: dict[str, dict[str, Any]] = {}
+    for role in ROLES:
+        for g in work[role]:
+            j = by_prefix.setdefault(g["prefix_id"], {"prefix_id": g["prefix_id"], "roles": {}})
+            j["roles"][role] = g
+            if "premise" in g:
+                j["premise"] = g["premise"]
+    return [by_prefix[k] for k in sorted(by_prefix)]
 
 
 def labelled_prefixes(folder: Path) -> set[str]:
@@ -228,9 +315,18 @@ def labelled_prefixes(folder: Path) -> set[str]:
     return done
 
 
+def _schema(kind: str) -> pa.Schema:
+    return JOINT_SCHEMA if kind == JOINT else LABEL_SCHEMA
+
+
+def _key(kind: str, row: dict[str, Any]) -> tuple:
+    """What identifies a label row: (prefix, sample), and the author in joint labels."""
+    return (row["prefix_id"], row.get("author", ""), row["sample_idx"])
+
+
 def _write_part(parts: Path, role: str, groups: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     ids = [g["prefix_id"] for g in groups]
-    table = pa.Table.from_pylist(rows, schema=LABEL_SCHEMA)
+    table = pa.Table.from_pylist(rows, schema=_schema(role))
     table = table.replace_schema_metadata({"prefix_ids": json.dumps(ids)})
     write_parquet_atomic(table, parts / role / shard_name(ids))
 
@@ -243,10 +339,11 @@ def _finish_role(folder: Path, groups: list[dict[str, Any]], path: Path) -> Path
         raise RuntimeError(f"cluster[{role}]: {len(missing)} prefixes have no labels in {folder}")
     tables = [pq.read_table(p).replace_schema_metadata(None) for p in shard_paths(folder)]
     rows = pa.concat_tables(tables).to_pylist() if tables else []
-    rows.sort(key=lambda r: (r["prefix_id"], r["sample_idx"]))
-    if len({(r["prefix_id"], r["sample_idx"]) for r in rows}) != len(rows):
+    rows.sort(key=lambda r: _key(role, r))
+    if len({_key(role, r) for r in rows}) != len(rows):
         raise RuntimeError(f"cluster[{role}]: duplicate labels in {folder}")
-    n_inv = sum(len(g["text"]) for g in groups) - len(rows)
+    texts = [t for g in groups for gg in g.get("roles", {role: g}).values() for t in gg["text"]]
+    n_inv = len(texts) - len(rows)
     log.info(
         "cluster[%s]: %d labelled samples over %d prefixes, %d invalid",
         role,
@@ -254,7 +351,7 @@ def _finish_role(folder: Path, groups: list[dict[str, Any]], path: Path) -> Path
         len({r["prefix_id"] for r in rows}),
         n_inv,
     )
-    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=LABEL_SCHEMA), path)
+    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=_schema(role)), path)
 
 
 PartWriter = Callable[[str, list[dict[str, Any]], list[dict[str, Any]]], None]

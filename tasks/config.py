@@ -20,6 +20,8 @@ from semspec.models.names import (
     PROBE_METHOD,
     PROBE_VARIANTS,
     ROLES,
+    SMOKE_STAGE,
+    STAGES,
     check_domain,
     method_label,
     probe_key,
@@ -136,6 +138,9 @@ class ClusterConfig:
             raise ValueError(f"cluster: field 'executor' must be one of {EXECUTORS}, got {self.executor!r}")
 
 
+EXAMPLES = ("own", "both")  # train.examples
+
+
 @dataclass
 class TrainConfig:
     """Probe training (Lightning) and registration (MLflow)."""
@@ -156,8 +161,24 @@ class TrainConfig:
     # `all`: one probe per variant on every domain's data; a list (e.g. [math, science, all]): one probe per
     # variant and listed domain, on that domain's questions only (the paper's 5.4 cross-domain study)
     domains: str | list[str] = ALL_DOMAINS
+    # own: each probe on its own model's samples (the paper's and its authors' setting); both: each probe
+    # on its model's hidden states over both models' steps (the cross stage), labelled with that model's
+    # share in the joint clusters, so it sees steps its model would not say
+    examples: str = "own"
+    # null: the widths above and weight_decay; a list of candidates ({hidden: [..], weight_decay: x},
+    # hidden [] = a linear probe): each is fitted and the one with the lowest validation MSE kept (logged)
+    search: list[dict] | None = None
+    # learning curves: train on this share of the training questions (a seeded subset, the same for both
+    # roles; validation and test questions unchanged)
+    train_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.train_fraction, int | float) or not 0 < self.train_fraction <= 1:
+            raise ValueError(f"train: field 'train_fraction' must be in (0, 1], got {self.train_fraction!r}")
+        if self.examples not in EXAMPLES:
+            raise ValueError(f"train: field 'examples' must be one of {EXAMPLES}, got {self.examples!r}")
+        if self.search is not None:
+            self._check_search()
         if not self.variants or set(self.variants) - set(PROBE_VARIANTS):
             raise ValueError(
                 f"train: field 'variants' must be a non-empty subset of {PROBE_VARIANTS}, got {self.variants!r}"
@@ -198,6 +219,27 @@ class TrainConfig:
     def hidden(self, role: str) -> list[int]:
         """Hidden widths of the probe for ``role``."""
         return self.hidden_target if role == "target" else self.hidden_draft
+
+    def candidates(self, role: str) -> list[tuple[list[int], float]]:
+        """(hidden widths, weight decay) to fit for ``role``: the search's, else the configured one."""
+        if self.search is None:
+            return [(self.hidden(role), self.weight_decay)]
+        return [(list(c["hidden"]), float(c.get("weight_decay", self.weight_decay))) for c in self.search]
+
+    def _check_search(self) -> None:
+        ok = isinstance(self.search, list) and self.search
+        for c in self.search if ok else []:
+            widths = c.get("hidden") if isinstance(c, dict) else None
+            ok = ok and isinstance(widths, list) and all(isinstance(w, int) and w >= 1 for w in widths)
+            ok = ok and set(c) <= {"hidden", "weight_decay"}
+            ok = (
+                ok and isinstance(c.get("weight_decay", 0.0), int | float) and c.get("weight_decay", 0.0) >= 0
+            )
+        if not ok:
+            raise ValueError(
+                "train: field 'search' must be null or a non-empty list of candidates such as "
+                f"[{{hidden: [], weight_decay: 0.1}}, {{hidden: [256], weight_decay: 0.01}}], got {self.search!r}"
+            )
 
     def domain_list(self) -> list[str]:
         """The domains probes are trained for (``all``: every domain's data together)."""
@@ -283,7 +325,7 @@ class RetrainConfig:
 
     cron: str = "0 3 * * 1"  # weekly, Monday 03:00
     timezone: str = "UTC"
-    stages: list[str] = field(default_factory=lambda: ["ingest", "sample", "cluster", "train", "evaluate"])
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
 
     def __post_init__(self) -> None:
         fields_ = self.cron.split()
@@ -292,7 +334,7 @@ class RetrainConfig:
                 f"retrain: field 'cron' must be a 5-field cron expression (minute hour day month weekday), "
                 f"got {self.cron!r}"
             )
-        known = ("ingest", "sample", "cluster", "train", "evaluate", "decode")
+        known = (*STAGES, SMOKE_STAGE)
         bad = [s for s in self.stages if s not in known]
         if bad or not self.stages:
             raise ValueError(

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from semspec.models import formats, steps
 from semspec.models import lm as lm_module
 from semspec.models.formats import resolve_format
-from semspec.models.lm import LM, load_lm
+from semspec.models.lm import LM, Pooled, load_lm
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import (
@@ -46,12 +46,22 @@ def sample_seed(seed: int, role: str, prefix_id: str) -> int:
     return int(hashlib.sha1(f"{seed}:{role}:{prefix_id}".encode()).hexdigest()[:15], 16)
 
 
+@dataclass
+class _Row:
+    """One step and its features, as a shard row holds it."""
+
+    prefix_id: str
+    question_id: str
+    sample_idx: int
+    text: str
+    num_tokens: int  # in the reading model's tokenizer
+    finish_reason: str
+    pooled: Pooled
+
+
 def sample_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
     """Sample ``cfg.n`` steps for each prefix row -> one table (the shard of these prefixes)."""
-    recs: dict[str, list] = {
-        k: [] for k in ("prefix_id", "question_id", "sample_idx", "text", "num_tokens", "finish_reason")
-    }
-    h_last, h_mean, h_layers = [], [], []
+    rows = []
     for row in prefixes:
         context = lm.format_prompt(row["question"]) + row["context"]
         samples = lm.generate_step(
@@ -62,36 +72,71 @@ def sample_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleCo
             max_tokens=cfg.max_step_tokens,
             seed=sample_seed(cfg.seed, role, row["prefix_id"]),
         )
-        for i, s in enumerate(samples):
-            recs["prefix_id"].append(row["prefix_id"])
-            recs["question_id"].append(row["question_id"])
-            recs["sample_idx"].append(i)
-            recs["text"].append(s.text)
-            recs["num_tokens"].append(s.num_tokens)
-            recs["finish_reason"].append(s.finish_reason)
-            h_last.append(s.pooled.h_last.numpy())
-            h_mean.append(s.pooled.h_mean.numpy())
-            if cfg.store_layers:
-                h_layers.append(s.pooled.h_layers.reshape(-1).numpy())
-    n = len(recs["prefix_id"])
+        rows += [
+            _Row(row["prefix_id"], row["question_id"], i, s.text, s.num_tokens, s.finish_reason, s.pooled)
+            for i, s in enumerate(samples)
+        ]
+    return shard_table(lm, role, role, rows, cfg.store_layers)
+
+
+def read_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
+    """The other model's steps read by this one -> one table: for each prefix row (with its ``steps``:
+    the author's ``sample_idx``, ``text``, ``finish_reason`` and ``author``), the context is prefilled
+    once and every non-empty step after it in one padded prefill, pooled as a verifier pools a proposed
+    step (``LM.score_steps``, the call the decoders make). Empty steps have nothing to read: no row."""
+    rows, author = [], None
+    for row in prefixes:
+        steps = [st for st in row["steps"] if st["text"]]
+        if not steps:
+            continue
+        author = steps[0]["author"]
+        state = lm.prefill(lm.format_prompt(row["question"]) + row["context"])
+        scores = lm.score_steps([state.clone() for _ in steps], [st["text"] for st in steps])
+        rows += [
+            _Row(
+                row["prefix_id"],
+                row["question_id"],
+                st["sample_idx"],
+                st["text"],
+                len(sc.token_ids),
+                st["finish_reason"],
+                sc.pooled,
+            )
+            for st, sc in zip(steps, scores, strict=True)
+        ]
+    return shard_table(lm, role, author or role, rows, cfg.store_layers)
+
+
+def shard_table(lm: LM, role: str, author: str, rows: list[_Row], store_layers: bool) -> pa.Table:
+    """Rows of ``role``'s features over steps ``author`` wrote, as a shard (the artifact schema)."""
+    n, d = len(rows), lm.hidden_size
     cols = {
-        "prefix_id": pa.array(recs["prefix_id"], pa.string()),
-        "question_id": pa.array(recs["question_id"], pa.string()),
-        "role": pa.array([role] * n, pa.string()),
+        "prefix_id": pa.array([r.prefix_id for r in rows], pa.string()),
+        "question_id": pa.array([r.question_id for r in rows], pa.string()),
+        "role": pa.array([role] * n, pa.string()),  # whose hidden states
+        "author": pa.array([author] * n, pa.string()),  # who wrote the text
         "model_id": pa.array([lm.model_id] * n, pa.string()),
         "format": pa.array(
             [lm.format.name] * n, pa.string()
         ),  # what the model ran in (probes are per format)
-        "sample_idx": pa.array(recs["sample_idx"], pa.int32()),
-        "text": pa.array(recs["text"], pa.string()),
-        "num_tokens": pa.array(recs["num_tokens"], pa.int32()),
-        "finish_reason": pa.array(recs["finish_reason"], pa.string()),
-        "h_last": fixed_list(np.stack(h_last), pa.float32()),  # (N, D)
-        "h_mean": fixed_list(np.stack(h_mean), pa.float32()),  # (N, D)
+        "sample_idx": pa.array([r.sample_idx for r in rows], pa.int32()),
+        "text": pa.array([r.text for r in rows], pa.string()),
+        "num_tokens": pa.array([r.num_tokens for r in rows], pa.int32()),
+        "finish_reason": pa.array([r.finish_reason for r in rows], pa.string()),
+        "h_last": fixed_list(_stack([r.pooled.h_last for r in rows], d), pa.float32()),  # (N, D)
+        "h_mean": fixed_list(_stack([r.pooled.h_mean for r in rows], d), pa.float32()),  # (N, D)
     }
-    if cfg.store_layers:
-        cols["h_layers"] = fixed_list(np.stack(h_layers).astype(np.float16), pa.float16())  # (N, (L+1)*D)
+    if store_layers:
+        layers = _stack([r.pooled.h_layers.reshape(-1) for r in rows], (lm.num_layers + 1) * d)
+        cols["h_layers"] = fixed_list(layers.astype(np.float16), pa.float16())  # (N, (L+1)*D)
     return pa.table(cols)
+
+
+def _stack(vectors: list[torch.Tensor], width: int) -> np.ndarray:
+    """(N, width) float32 from N vectors (an empty (0, width) when there are none)."""
+    if not vectors:
+        return np.zeros((0, width), dtype=np.float32)
+    return np.stack([v.numpy() for v in vectors]).astype(np.float32)
 
 
 class SamplerActor:
@@ -110,6 +155,10 @@ class SamplerActor:
         """One batch of prefixes -> its shard."""
         return sample_rows(self.lm, role, prefixes, cfg)
 
+    def read(self, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
+        """One batch of prefixes with the other model's steps -> the shard of this model's features."""
+        return read_rows(self.lm, role, prefixes, cfg)
+
 
 def done_prefixes(folder: Path) -> set[str]:
     """Prefix ids that already have a complete shard in ``folder``."""
@@ -119,7 +168,7 @@ def done_prefixes(folder: Path) -> set[str]:
     return done
 
 
-def _batches(rows: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+def batches(rows: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
     for i in range(0, len(rows), size):
         yield rows[i : i + size]
 
@@ -161,12 +210,11 @@ def run_sample(
         log.info(
             "sample[%s]: %d prefixes, %d already sampled, %d to do", role, len(prefixes), len(done), len(todo)
         )
-        work.extend((role, b) for b in _batches(todo, cfg.batch_prefixes))
+        work.extend((role, b) for b in batches(todo, cfg.batch_prefixes))
         folders[role] = folder
     total = sum(len(b) for _, b in work)
     if total:
-        runner = _run_local if cfg.executor == "local" else _run_ray
-        runner(cfg, pair, work, folders, total, lms or {})
+        run_jobs(cfg, pair, work, folders, total, lms or {})
     for role, folder in folders.items():
         _check_complete(folder, {r["prefix_id"] for r in prefixes}, cfg.n, role)
     return folders
@@ -179,8 +227,8 @@ def _write(folder: Path, batch: list[dict[str, Any]], table: pa.Table) -> None:
 class _Progress:
     """prefixes done / total, samples per second, ETA."""
 
-    def __init__(self, total: int, n: int) -> None:
-        self.bar = tqdm(total=total, desc="sample", unit="prefix")
+    def __init__(self, total: int, n: int, desc: str = "sample") -> None:
+        self.bar = tqdm(total=total, desc=desc, unit="prefix")
         self.n, self.t0, self.samples = n, time.perf_counter(), 0
 
     def update(self, prefixes: int) -> None:
@@ -192,20 +240,28 @@ class _Progress:
         self.bar.close()
 
 
-def _run_local(cfg, pair, work, folders, total, lms) -> None:
+def run_jobs(cfg, pair, work, folders, total, lms, job: str = "sample") -> None:
+    """Run ``job`` (a ``SamplerActor`` method: ``sample`` or ``read``) on every (role, batch) of ``work``,
+    one model replica per role (Ray actors, or in-process with ``executor: local``), writing each batch's
+    shard into ``folders[role]`` as it comes back."""
+    runner = _run_local if cfg.executor == "local" else _run_ray
+    runner(cfg, pair, work, folders, total, lms, job)
+
+
+def _run_local(cfg, pair, work, folders, total, lms, job) -> None:
     actors: dict[str, SamplerActor] = {}
-    prog = _Progress(total, cfg.n)
+    prog = _Progress(total, cfg.n, job)
     try:
         for role, batch in work:
             if role not in actors:
                 actors[role] = SamplerActor(pair.role(role), lm=lms.get(role))
-            _write(folders[role], batch, actors[role].sample(role, batch, cfg))
+            _write(folders[role], batch, getattr(actors[role], job)(role, batch, cfg))
             prog.update(len(batch))
     finally:
         prog.close()
 
 
-def _run_ray(cfg, pair, work, folders, total, lms) -> None:
+def _run_ray(cfg, pair, work, folders, total, lms, job) -> None:
     import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
@@ -222,17 +278,17 @@ def _run_ray(cfg, pair, work, folders, total, lms) -> None:
     queue = {role: [b for r, b in work if r == role] for role in roles}
     idle = {role: list(pools[role]) for role in roles}
     pending: dict[Any, tuple[str, Any, list]] = {}
-    prog = _Progress(total, cfg.n)
+    prog = _Progress(total, cfg.n, job)
     try:
         while pending or any(queue.values()):
             for role in roles:  # keep every actor busy with one batch
                 while idle[role] and queue[role]:
                     actor, batch = idle[role].pop(), queue[role].pop(0)
-                    pending[actor.sample.remote(role, batch, cfg)] = (role, actor, batch)
+                    pending[getattr(actor, job).remote(role, batch, cfg)] = (role, actor, batch)
             ready, _ = ray.wait(list(pending), num_returns=1)
             role, actor, batch = pending.pop(ready[0])
             ids = ", ".join(r["prefix_id"] for r in batch)
-            _write(folders[role], batch, get_result(ready[0], f"sample[{role}] of prefixes {ids}"))
+            _write(folders[role], batch, get_result(ready[0], f"{job}[{role}] of prefixes {ids}"))
             prog.update(len(batch))
             idle[role].append(actor)
             if role in pools and not queue[role] and not any(r == role for r, _, _ in pending.values()):

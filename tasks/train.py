@@ -8,6 +8,7 @@ Train/validation/test splits are made **by question**: no prefix of a test quest
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import random
@@ -29,7 +30,7 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from semspec.models.names import ALL_DOMAINS, probe_key, split_probe_key
+from semspec.models.names import ALL_DOMAINS, ROLES, probe_key, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.models.project import project_root
@@ -73,47 +74,112 @@ class ProbeData:
     hidden_size: int
     num_layers: int  # L+1 hidden-state layers
     format: str = "bfloat16"  # the format the model ran in when sampling (shards without it predate formats)
+    author: np.ndarray | None = None  # (N,) which model wrote each step (``examples: both`` mixes them)
+
+
+@dataclass
+class _Features:
+    """One role's feature rows from shard folders, by (prefix_id, author, sample_idx)."""
+
+    index: dict[tuple[str, str, int], int]
+    question_id: np.ndarray  # (N,)
+    columns: dict[str, np.ndarray]  # feature column -> (N, D) or (N, (L+1) * D)
+    model_id: str
+    format: str
+    hidden_size: int
+
+
+def _read_features(folders: list[Path], variants: list[str]) -> _Features:
+    """The feature rows of one role's shard folders (its own samples and, for ``both``, its reading of the
+    other model's steps); shards without an ``author`` column are the role's own samples."""
+    feats = list(dict.fromkeys(["h_mean", *(FEATURE_COLUMN[v] for v in variants if v != "random")]))
+    keys, qids, mats, model_ids, formats = [], [], {f: [] for f in feats}, set(), set()
+    for folder in folders:
+        cols = ["prefix_id", "sample_idx", "question_id", "model_id", "role", *feats]
+        t = read_shards(folder, columns=cols, optional=["format", "author"])
+        authors = t.column("author" if "author" in t.column_names else "role").to_pylist()
+        keys += zip(
+            t.column("prefix_id").to_pylist(), authors, t.column("sample_idx").to_pylist(), strict=True
+        )
+        qids += t.column("question_id").to_pylist()
+        for f in feats:
+            mats[f].append(column_matrix(t, f))
+        model_ids.update(t.column("model_id").to_pylist())
+        formats.add(_one_format(t, folder))
+    if len(model_ids) != 1 or len(formats) != 1:
+        raise ValueError(
+            f"{', '.join(map(str, folders))} hold features of {sorted(model_ids)} in {sorted(formats)}: one "
+            f"model in one format is needed; rerun the sample and cross stages"
+        )
+    return _Features(
+        {k: i for i, k in enumerate(keys)},
+        np.array(qids),
+        {f: np.concatenate(m) for f, m in mats.items()},
+        model_ids.pop(),
+        formats.pop(),
+        int(mats["h_mean"][0].shape[1]),
+    )
+
+
+def _probe_data(
+    feats: _Features, keys: list[tuple], y, in_largest, domain, variants, where: str
+) -> ProbeData:
+    """The rows of ``feats`` at ``keys`` (one per label), as a ProbeData."""
+    try:
+        rows = np.array([feats.index[k] for k in keys], dtype=int)
+    except KeyError as e:
+        raise ValueError(
+            f"label {e} has no features in {where}: samples and labels are out of date"
+        ) from None
+    d, x = feats.hidden_size, {}
+    for v in variants:
+        m = feats.columns[FEATURE_COLUMN.get(v, "h_mean")][rows]
+        x[v] = m.reshape(len(rows), -1, d) if v == "mix" else m
+    return ProbeData(
+        x=x,
+        y=np.asarray(y, dtype=np.float32),
+        in_largest=np.asarray(in_largest, dtype=bool),
+        question_id=feats.question_id[rows],
+        domain=np.asarray(domain),
+        model_id=feats.model_id,
+        hidden_size=d,
+        num_layers=x["mix"].shape[1] if "mix" in x else 0,
+        format=feats.format,
+        author=np.array([k[1] for k in keys]),
+    )
 
 
 def load_probe_data(samples_dir: Path, labels_path: Path, variants: list[str]) -> ProbeData:
-    """Join a role's samples (features) with its labels on (prefix_id, sample_idx)."""
-    feats = [FEATURE_COLUMN[v] for v in variants if v != "random"] or ["h_mean"]
-    cols = ["prefix_id", "sample_idx", "question_id", "model_id", "h_mean", *feats]
-    samples = read_shards(samples_dir, columns=list(dict.fromkeys(cols)), optional=["format"])
+    """Join a role's samples (features) with its labels on (prefix_id, sample_idx): ``examples: own``."""
     labels = pq.read_table(labels_path).to_pylist()
     if not labels:
         raise ValueError(f"{labels_path} has no labelled samples (all invalid?)")
-    index = {
-        (p, s): i
-        for i, (p, s) in enumerate(
-            zip(
-                samples.column("prefix_id").to_pylist(), samples.column("sample_idx").to_pylist(), strict=True
-            )
-        )
-    }
-    try:
-        rows = np.array([index[(r["prefix_id"], r["sample_idx"])] for r in labels])
-    except KeyError as e:
-        raise ValueError(
-            f"label {e} has no sample in {samples_dir}: samples and labels are out of date"
-        ) from None
-    d = samples.column("h_mean").type.list_size
-    x = {}
-    for v in variants:
-        col = FEATURE_COLUMN.get(v, "h_mean")
-        m = column_matrix(samples, col)[rows]
-        x[v] = m.reshape(len(rows), -1, d) if v == "mix" else m
-    n_layers = x["mix"].shape[1] if "mix" in x else 0
-    return ProbeData(
-        x=x,
-        y=np.array([r["semantic_prob"] for r in labels], dtype=np.float32),
-        in_largest=np.array([r["in_largest"] for r in labels], dtype=bool),
-        question_id=np.array(samples.column("question_id").to_pylist())[rows],
-        domain=np.array([r.get("domain") or "unknown" for r in labels]),
-        model_id=samples.column("model_id")[0].as_py(),
-        hidden_size=d,
-        num_layers=n_layers,
-        format=_one_format(samples, samples_dir),
+    feats = _read_features([samples_dir], variants)
+    keys = [(r["prefix_id"], r["role"], r["sample_idx"]) for r in labels]
+    domain = [r.get("domain") or "unknown" for r in labels]
+    y, largest = [r["semantic_prob"] for r in labels], [r["in_largest"] for r in labels]
+    return _probe_data(feats, keys, y, largest, domain, variants, str(samples_dir))
+
+
+def load_joint_probe_data(
+    role: str, samples_dir: Path, cross_dir: Path, joint_path: Path, variants: list[str]
+) -> ProbeData:
+    """``examples: both``: ``role``'s hidden states over both models' steps (its samples, and the cross
+    stage's reading of the other's), each labelled with ``role``'s share of the step's joint cluster
+    (steps of prefixes where ``role`` has no valid sample carry no label and are left out)."""
+    if not joint_path.is_file():
+        raise ValueError(f"{joint_path} does not exist: run the cluster stage with both roles sampled")
+    if not (cross_dir / role).is_dir():
+        raise ValueError(f"{cross_dir / role} does not exist: run the cross stage (`semspec cross`) first")
+    labels = [r for r in pq.read_table(joint_path).to_pylist() if r[f"share_{role}"] is not None]
+    if not labels:
+        raise ValueError(f"{joint_path} has no step labelled for the {role} (no valid {role} sample?)")
+    feats = _read_features([samples_dir / role, cross_dir / role], variants)
+    keys = [(r["prefix_id"], r["author"], r["sample_idx"]) for r in labels]
+    domain = [r.get("domain") or "unknown" for r in labels]
+    y, largest = [r[f"share_{role}"] for r in labels], [r[f"largest_{role}"] for r in labels]
+    return _probe_data(
+        feats, keys, y, largest, domain, variants, f"{samples_dir / role} + {cross_dir / role}"
     )
 
 
@@ -154,6 +220,7 @@ def only_domain(data: ProbeData, domain: str, labels_path: Path) -> ProbeData:
         in_largest=data.in_largest[keep],
         question_id=data.question_id[keep],
         domain=data.domain[keep],
+        author=None if data.author is None else data.author[keep],
     )
 
 
@@ -175,6 +242,16 @@ def split_by_question(
     return {k: np.isin(question_ids, list(v)) for k, v in parts.items()}
 
 
+def keep_questions(question_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Rows whose question falls in a seeded ``fraction`` of the questions (by a hash of seed and id, so
+    both roles keep the same questions and a smaller fraction keeps a subset of a larger one's)."""
+
+    def draw(q: str) -> float:
+        return int(hashlib.sha1(f"{seed}:{q}".encode()).hexdigest()[:12], 16) / 16**12
+
+    return np.array([draw(q) < fraction for q in question_ids.tolist()], dtype=bool)
+
+
 def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> dict[str, float]:
     """MSE, MAE, Spearman, Brier and AUROC for 'in the largest cluster', ECE of predicted vs observed
     semantic probability (10 equal-width bins)."""
@@ -191,6 +268,83 @@ def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> di
         "auroc": float(auroc),
         "n": len(y),
     }
+
+
+def routing_metrics(p: np.ndarray, q: np.ndarray, shared: np.ndarray) -> dict[str, float]:
+    """Does a probe pair accept the right draft steps? With the decoder's rule a(s) = min(1, p/q): the
+    true-accept rate (mean a over steps the target shares), the false-accept rate (mean a over steps it
+    does not) and the AUROC of p/q for shared vs not shared (NaN where a side is empty)."""
+    p, q, shared = np.asarray(p, dtype=float), np.asarray(q, dtype=float), np.asarray(shared, dtype=bool)
+    ratio = p / np.maximum(q, 1e-9)  # q = 0 only for a step its own model never says: accept
+    accept = np.minimum(1.0, ratio)
+    both = 0 < shared.mean() < 1 if len(shared) else False
+    return {
+        "true_accept": float(accept[shared].mean()) if shared.any() else float("nan"),
+        "false_accept": float(accept[~shared].mean()) if (~shared).any() else float("nan"),
+        "auroc": float(roc_auc_score(shared, ratio)) if both else float("nan"),
+        "n_shared": int(shared.sum()),
+        "n_not_shared": int((~shared).sum()),
+    }
+
+
+@dataclass
+class RoutingData:
+    """The draft-written steps (labelled jointly): the draft's features over them, the target's (the cross
+    stage), and both models' true shares."""
+
+    q_x: dict[str, np.ndarray]  # variant -> the draft's features
+    p_x: dict[str, np.ndarray]  # variant -> the target's features over the same steps
+    share_draft: np.ndarray  # (N,)
+    share_target: np.ndarray  # (N,)
+    question_id: np.ndarray  # (N,)
+
+
+def load_routing_data(
+    samples_dir: Path, cross_dir: Path, joint_path: Path, variants: list[str]
+) -> RoutingData | None:
+    """``RoutingData`` from the stages' outputs; None without joint labels or the target's cross features
+    (a pipeline that sampled one role only)."""
+    if not joint_path.is_file() or not (cross_dir / "target").is_dir():
+        return None
+    labels = [
+        r
+        for r in pq.read_table(joint_path).to_pylist()
+        if r["author"] == "draft" and r["share_target"] is not None and r["share_draft"] is not None
+    ]
+    if not labels:
+        return None
+    keys = [(r["prefix_id"], "draft", r["sample_idx"]) for r in labels]
+    none = np.zeros(len(labels))
+    q = _probe_data(
+        _read_features([samples_dir / "draft"], variants), keys, none, none, none, variants, "draft"
+    )
+    p = _probe_data(
+        _read_features([cross_dir / "target"], variants), keys, none, none, none, variants, "cross"
+    )
+    return RoutingData(
+        q.x,
+        p.x,
+        np.array([r["share_draft"] for r in labels]),
+        np.array([r["share_target"] for r in labels]),
+        q.question_id,
+    )
+
+
+def routing_table(
+    data: RoutingData, probes: dict[str, dict[str, nn.Module]], test_questions: set[str]
+) -> dict[str, dict[str, float]]:
+    """Routing metrics on the test questions' draft-written steps for every variant with both probes
+    (``probes``: variant -> role -> probe), and for the oracle (the true shares in place of p and q)."""
+    te = np.isin(data.question_id, sorted(test_questions))
+    shared = data.share_target[te] > 0
+    out = {}
+    for variant, pair in probes.items():
+        if set(pair) == {"draft", "target"}:
+            p = predict(pair["target"], data.p_x[variant][te])
+            q = predict(pair["draft"], data.q_x[variant][te])
+            out[variant] = routing_metrics(p, q, shared)
+    out["oracle"] = routing_metrics(data.share_target[te], data.share_draft[te], shared)
+    return out
 
 
 def calibration_figure(pred: np.ndarray, y: np.ndarray, title: str):
@@ -237,23 +391,13 @@ def fit_probe(
     cfg: TrainConfig,
     log_epochs: bool = False,
 ) -> nn.Module:
-    """Train one probe (or build the Random one) on the train split, early-stopped on validation MSE."""
+    """Train one probe (or build the Random one) on the train split, early-stopped on validation MSE; with
+    ``train.search`` each candidate shape is fitted and the one with the lowest validation MSE returned
+    (its choice in ``probe.choice``)."""
     if variant == "random":
         # each role gets its own stream: equal seeds would make p == q and accept every step
         return RandomProbe(data.hidden_size, "all", seed=2 * cfg.seed + (role == "target"))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    x = torch.from_numpy(data.x[variant]).float()
-    y = torch.from_numpy(data.y)
-    probe = ProbeMLP(
-        data.hidden_size,
-        cfg.hidden(role),
-        variant,
-        data.num_layers or None,
-        cfg.lr,
-        tuple(cfg.betas),
-        cfg.weight_decay,
-    )
-    tr, va = torch.from_numpy(masks["train"]), torch.from_numpy(masks["val"])
+    tr, va = masks["train"], masks["val"]
     n_train = int(tr.sum())
     if n_train < MIN_TRAIN_ROWS:
         raise ValueError(
@@ -261,16 +405,51 @@ def fit_probe(
             f"(need {MIN_TRAIN_ROWS}): sample more questions (ingest.max_questions) or more samples per "
             "prefix (sample.n), or keep budget-cut steps (cluster.label_length_cut: true)"
         )
+    tried, candidates = [], cfg.candidates(role)
+    for hidden, weight_decay in candidates:
+        # per-epoch MSE goes to MLflow for a single fit only (a search's fits would share the steps)
+        probe, epochs = _fit_one(
+            data, variant, masks, cfg, hidden, weight_decay, log_epochs and len(candidates) == 1
+        )
+        val = float(np.mean((predict(probe, data.x[variant][va]) - data.y[va]) ** 2)) if va.any() else 0.0
+        tried.append(
+            {"hidden": hidden, "weight_decay": weight_decay, "val_mse": val, "epochs": epochs, "probe": probe}
+        )
+    best = min(tried, key=lambda t: t["val_mse"])
+    probe = best.pop("probe")
+    probe.choice = {**best, "candidates": [{k: v for k, v in t.items() if k != "probe"} for t in tried]}
+    if len(tried) > 1:
+        log.info(
+            "train[%s/%s]: chose hidden %s, weight decay %g (validation MSE %.4f of %s)",
+            role,
+            variant,
+            best["hidden"],
+            best["weight_decay"],
+            best["val_mse"],
+            [round(t["val_mse"], 4) for t in tried],
+        )
+    return probe
+
+
+def _fit_one(data, variant, masks, cfg, hidden, weight_decay, log_epochs) -> tuple[ProbeMLP, int]:
+    """One probe of the given shape, early-stopped on validation MSE: (its best weights, epochs to them)."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    x = torch.from_numpy(data.x[variant]).float()
+    y = torch.from_numpy(data.y)
+    probe = ProbeMLP(
+        data.hidden_size, hidden, variant, data.num_layers or None, cfg.lr, tuple(cfg.betas), weight_decay
+    )
+    tr, va = torch.from_numpy(masks["train"]), torch.from_numpy(masks["val"])
     probe.set_standardization(x[tr])
     train_dl = DataLoader(TensorDataset(x[tr], y[tr]), batch_size=cfg.batch_size, shuffle=True)
     val_dl = DataLoader(TensorDataset(x[va], y[va]), batch_size=1024)
-    state = _fit_best_state(probe, train_dl, val_dl, cfg, log_epochs)
+    state, epochs = _fit_best_state(probe, train_dl, val_dl, cfg, log_epochs)
     best = ProbeMLP(**probe.hparams)  # a clean module (no trainer attached) with the best weights
     best.load_state_dict(state)
     bad = [k for k, t in best.state_dict().items() if not torch.isfinite(t).all()]
     if bad:
-        raise RuntimeError(f"{role}/{variant} probe diverged (non-finite {', '.join(bad)}): lower train.lr")
-    return best.eval()
+        raise RuntimeError(f"{variant} probe diverged (non-finite {', '.join(bad)}): lower train.lr")
+    return best.eval(), epochs
 
 
 @contextlib.contextmanager
@@ -295,15 +474,16 @@ def quiet_lightning() -> Iterator[None]:
 
 def _fit_best_state(
     probe: ProbeMLP, train_dl: DataLoader, val_dl: DataLoader, cfg: TrainConfig, log_epochs: bool
-) -> dict[str, torch.Tensor]:
-    """Lightning fit with early stopping on validation MSE; the weights of the best validation epoch."""
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Lightning fit with early stopping on validation MSE; the weights of the best validation epoch and
+    the number of epochs to it."""
     with quiet_lightning():
         return _fit_quietly(probe, train_dl, val_dl, cfg, log_epochs)
 
 
 def _fit_quietly(
     probe: ProbeMLP, train_dl: DataLoader, val_dl: DataLoader, cfg: TrainConfig, log_epochs: bool
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], int]:
     ckpt_dir = tempfile.mkdtemp(prefix="semspec-probe-")
     ckpt = L.pytorch.callbacks.ModelCheckpoint(
         monitor="val_mse",
@@ -311,6 +491,7 @@ def _fit_quietly(
         save_top_k=1,
         save_weights_only=True,
         dirpath=ckpt_dir,
+        filename="best-{epoch}",
         enable_version_counter=False,
     )
     callbacks = [L.pytorch.callbacks.EarlyStopping("val_mse", patience=cfg.patience, mode="min"), ckpt]
@@ -328,11 +509,12 @@ def _fit_quietly(
         default_root_dir=str(project_root() / ".cache" / "lightning"),
     )
     trainer.fit(probe, train_dl, val_dl)
-    state = probe.state_dict()
+    state, epochs = probe.state_dict(), trainer.current_epoch
     if ckpt.best_model_path:
         state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+        epochs = int(Path(ckpt.best_model_path).stem.split("epoch=")[-1]) + 1
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    return state
+    return state, epochs
 
 
 @torch.inference_mode()
@@ -362,8 +544,14 @@ def run_train(
     plots_dir: Path,
     roles: list[str] | None = None,
     fingerprint: dict[str, str] | None = None,
+    cross_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Train, evaluate on the held-out questions, log to MLflow and register every probe.
+
+    ``train.examples: both`` trains each probe on its model's features over both models' steps
+    (``cross_dir``, the cross stage's output) with the joint labels (``labels_dir/joint.parquet``). With
+    both available, the routing metrics of each variant (``routing_table``) are measured on the test
+    questions' draft-written steps, logged beside the MSE and written under ``_routing``.
 
     The probes are stored once, as MLflow run artifacts (safetensors + JSON) that the registry's versions
     point at; ``out_dir/probes.json`` (the DVC out) records each one's name, version, URI and sha256, so
@@ -372,7 +560,7 @@ def run_train(
     can tell which pairs changed. Writes the test metrics to ``metrics_path`` and calibration plots to
     ``plots_dir``; returns the metrics ``{role: {variant: {...}}}``.
     """
-    roles = roles or sorted(p.stem for p in labels_dir.glob("*.parquet"))
+    roles = roles or sorted(p.stem for p in labels_dir.glob("*.parquet") if p.stem in ROLES)
     if not roles:
         raise ValueError(f"no labels in {labels_dir}: run the cluster stage first")
     setup_experiment(pair.name)
@@ -383,7 +571,14 @@ def run_train(
     parent_tags = {"stage": TRAIN_PARENT, "pair": pair.name, "git_commit": run.commit, **run.fingerprint}
     try:
         with mlflow.start_run(run_name=f"train-{pair.name}", tags=parent_tags):  # the probes nest under it
-            _train_roles(run, roles, samples_dir, labels_dir, all_metrics, pointers, pending, out_dir)
+            trained = _train_roles(
+                run, roles, samples_dir, labels_dir, all_metrics, pointers, pending, out_dir, cross_dir
+            )
+            routing = _routing(trained, samples_dir, cross_dir, labels_dir, cfg.variants)
+            if routing:
+                all_metrics["_routing"] = routing
+                if not pending:
+                    _log_routing(routing, trained)
             if not pending:
                 fig = variant_figure(all_metrics, pair.name)
                 save_figure_atomic(fig, plots_dir / "probe-variants.png")
@@ -438,15 +633,16 @@ def _train_roles(
     pointers: dict[str, dict[str, Any]],
     pending: list[dict[str, Any]],
     out_dir: Path,
-) -> None:
+    cross_dir: Path | None = None,
+) -> dict[tuple[str, str], _Trained]:
     """Every (role, domain, variant) probe, each in a nested MLflow run; fills ``all_metrics`` and
-    ``pointers``. Once MLflow cannot be reached, every probe (the one in flight included) is still
-    trained and tested, and kept under ``out_dir/pending`` (listed in ``pending``) to register later."""
+    ``pointers`` and returns the probes by (role, key). Once MLflow cannot be reached, every probe (the one
+    in flight included) is still trained and tested, and kept under ``out_dir/pending`` (listed in
+    ``pending``) to register later."""
     cfg = run.cfg
+    out: dict[tuple[str, str], _Trained] = {}
     for role in roles:
-        labels_path = labels_dir / f"{role}.parquet"
-        data = load_probe_data(samples_dir / role, labels_path, cfg.variants)
-        hashes = {"samples": data_hash(samples_dir / role), "labels": data_hash(labels_path)}
+        data, labels_path, hashes = _role_data(cfg, role, samples_dir, labels_dir, cross_dir)
         all_metrics[role] = {}
         parts = {}  # every domain's data and split, so that a bad domain fails before any fit
         for domain in cfg.domain_list():
@@ -455,11 +651,13 @@ def _train_roles(
                 masks = split_by_question(part.question_id, cfg.val_fraction, cfg.test_fraction, cfg.seed)
             except ValueError as e:
                 raise ValueError(f"train: {role} probes of domain {domain!r}: {e}") from None
+            if cfg.train_fraction < 1:
+                masks["train"] &= keep_questions(part.question_id, cfg.train_fraction, cfg.seed)
             parts[domain] = (part, masks)
         for domain, (part, masks) in parts.items():
             for variant in cfg.variants:
                 key = probe_key(variant, domain)
-                trained = _Trained(run, part, masks, hashes, role, key)
+                trained = out[role, key] = _Trained(run, part, masks, hashes, role, key)
                 try:
                     if not pending:
                         try:
@@ -475,6 +673,67 @@ def _train_roles(
                     all_metrics[role][key] = trained.keep(out_dir / PENDING_DIR, pending)
                 finally:
                     close_figure(trained.figure)
+    return out
+
+
+def _role_data(
+    cfg: TrainConfig, role: str, samples_dir: Path, labels_dir: Path, cross_dir: Path | None
+) -> tuple[ProbeData, Path, dict[str, str]]:
+    """A role's training rows by ``train.examples``, the labels file they come from and the data hashes."""
+    if cfg.examples == "both":
+        if cross_dir is None:
+            raise ValueError("train.examples: both needs the cross stage's output (--cross)")
+        labels_path = labels_dir / "joint.parquet"
+        data = load_joint_probe_data(role, samples_dir, cross_dir, labels_path, cfg.variants)
+        samples_hash = f"{data_hash(samples_dir / role)}+{data_hash(cross_dir / role)}"
+    else:
+        labels_path = labels_dir / f"{role}.parquet"
+        data = load_probe_data(samples_dir / role, labels_path, cfg.variants)
+        samples_hash = data_hash(samples_dir / role)
+    return data, labels_path, {"samples": samples_hash, "labels": data_hash(labels_path)}
+
+
+def _routing(
+    trained: dict[tuple[str, str], _Trained],
+    samples_dir: Path,
+    cross_dir: Path | None,
+    labels_dir: Path,
+    variants: list[str],
+) -> dict[str, dict[str, float]] | None:
+    """The routing metrics of the pooled (all-domain) probes, or None without joint labels and cross
+    features. Test questions: those held out from both roles' probes."""
+    keys = {
+        (r, v): t for (r, k), t in trained.items() if k == probe_key(v := split_probe_key(k)[0], ALL_DOMAINS)
+    }
+    if cross_dir is None or {r for r, _ in keys} != set(ROLES):
+        return None
+    data = load_routing_data(samples_dir, cross_dir, labels_dir / "joint.parquet", variants)
+    if data is None:
+        return None
+    tests = [set(t.data.question_id[t.masks["test"]].tolist()) for (r, _), t in keys.items()]
+    probes: dict[str, dict[str, nn.Module]] = {}
+    for (role, variant), t in keys.items():
+        t.fit(log_epochs=False)  # fitted already (tracked or kept): a no-op
+        probes.setdefault(variant, {})[role] = t.probe
+    table = routing_table(data, probes, set.intersection(*tests))
+    for name, m in table.items():
+        log.info("train: routing %s: %s", name, {k: round(v, 3) for k, v in m.items()})
+    return table
+
+
+def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, str], _Trained]) -> None:
+    """Routing metrics on both probe runs of each variant (beside their MSE in the compare view) and every
+    variant's, the oracle's included, on the parent train run."""
+    client = mlflow.MlflowClient()
+    for (_, key), t in trained.items():
+        m = routing.get(key)
+        if m is not None and t.run_id is not None:
+            for name in ("true_accept", "false_accept", "auroc"):
+                if np.isfinite(m[name]):
+                    client.log_metric(t.run_id, f"routing_{name}", m[name])
+    mlflow.log_metrics(
+        {f"routing_{v}_{k}": x for v, m in routing.items() for k, x in m.items() if np.isfinite(x)}
+    )
 
 
 def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):
@@ -531,6 +790,7 @@ class _Trained:
         self.variant, domain = split_probe_key(key)
         self.domain = domain or ALL_DOMAINS
         self.probe: nn.Module | None = None
+        self.run_id: str | None = None  # its MLflow run, once tracked
         self.metrics: dict[str, float] = {}
         self.figure = None  # the calibration plot, once fitted
 
@@ -575,6 +835,7 @@ class _Trained:
             "variant": self.variant,
             "feature": FEATURE_COLUMN.get(self.variant, "none"),
             "pooling": run.pair.pooling,
+            "examples": run.cfg.examples,
             "domain": self.domain,
             "pair": run.pair.name,
             "role": self.role,
@@ -614,9 +875,14 @@ def _track_probe(t: _Trained) -> tuple[dict[str, float], ProbeRef]:
     metrics and calibration plot; stored as run artifacts and registered. Returns its test metrics and
     where it is stored."""
     cfg, pair = t.run.cfg, t.run.pair
-    with mlflow.start_run(run_name=f"probe-{t.role}-{t.key}", tags=t.run_tags(), nested=True):
+    with mlflow.start_run(run_name=f"probe-{t.role}-{t.key}", tags=t.run_tags(), nested=True) as active:
+        t.run_id = active.info.run_id
         mlflow.log_params(t.params())
         t.fit(log_epochs=True)
+        choice = getattr(t.probe, "choice", None)
+        if choice is not None:  # the shape kept (validation MSE) and every candidate fitted
+            mlflow.log_params({f"chosen_{k}": choice[k] for k in ("hidden", "weight_decay", "epochs")})
+            mlflow.log_dict(choice, "search.json")
         mlflow.log_metrics({f"test_{k}": v for k, v in t.metrics.items() if np.isfinite(v)})
         mlflow.log_figure(t.figure, "calibration.png")
         with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
@@ -727,6 +993,8 @@ def _probe_params(
         "seed": cfg.seed,
         "max_epochs": cfg.max_epochs,
         "patience": cfg.patience,
+        "examples": cfg.examples,
+        "train_fraction": cfg.train_fraction,
         "samples_hash": hashes["samples"],
         "labels_hash": hashes["labels"],
         **{f"n_{k}": int(masks[k].sum()) for k in ("train", "val", "test")},
@@ -734,11 +1002,21 @@ def _probe_params(
 
 
 def stage(
-    *, params: Params, pair: PairConfig, samples: Path, labels: Path, out: Path, metrics: Path, plots: Path
+    *,
+    params: Params,
+    pair: PairConfig,
+    samples: Path,
+    cross: Path,
+    labels: Path,
+    out: Path,
+    metrics: Path,
+    plots: Path,
 ) -> dict[str, Any]:
     """Stage train (the CLI's and dvc.yaml's entry): fit, evaluate, log and register every probe, tagged
     with the pipeline fingerprint; returns the test metrics ``{role: {variant: {...}}}``."""
     if params.train.register:
         check_tracking()
     fingerprint = pipeline_fingerprint(params, pair)
-    return run_train(params.train, pair, samples, labels, out, metrics, plots, fingerprint=fingerprint)
+    return run_train(
+        params.train, pair, samples, labels, out, metrics, plots, fingerprint=fingerprint, cross_dir=cross
+    )

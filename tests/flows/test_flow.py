@@ -91,7 +91,7 @@ def test_retrain_runs_only_the_pairs_that_need_it(recorded, monkeypatch):
     ran = [c for c in recorded if c[0] != "decode"]
     assert {c[1] for c in ran} == {"edited", "fresh", "unevaluated"}
     assert all(c[4] is True for c in ran)  # forced: the registry, not DVC, said they are stale
-    assert [c[0] for c in ran if c[1] == "fresh"] == ["ingest", "sample", "cluster", "train", "evaluate"]
+    assert [c[0] for c in ran if c[1] == "fresh"] == list(STAGES)
     assert [c[0] for c in ran if c[1] == "unevaluated"] == ["evaluate"]  # its probes are current
     assert not any(c[0] == "decode" for c in recorded)  # params.yaml's retrain.stages
 
@@ -144,4 +144,4 @@ def test_one_failing_pair_does_not_stop_the_retrain_of_the_others(recorded, monk
     state = pipeline.semspec(profile="tiny", retrain=True, return_state=True)
     assert state.is_failed() and "retrain failed for 1 pair(s)" in str(state.result(raise_on_failure=False))
     assert [c[0] for c in recorded if c[1] == "a"] == ["ingest"]
-    assert [c[0] for c in recorded if c[1] == "b"] == ["ingest", "sample", "cluster", "train", "evaluate"]
+    assert [c[0] for c in recorded if c[1] == "b"] == list(STAGES)

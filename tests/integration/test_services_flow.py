@@ -15,6 +15,7 @@ import psutil
 import pytest
 import yaml
 
+from semspec.models.names import STAGES
 from tests.helpers.project import copy_project, free_port, project_environ
 
 pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]
@@ -164,7 +165,9 @@ def test_full_deployment_survives_a_killed_prefect_server_and_records_it_in_dvc(
     _, alive = psutil.wait_procs(flow_run, timeout=900)  # the lost run ends (done, or given up)
     assert not alive, "the lost flow run must end by itself"
     changed = json.loads(project.run("dvc", "status", "--json").stdout or "{}")
-    assert not {"ingest", "sample", "cluster", "train"} & set(changed), "stages the lost run finished"
+    assert not {"ingest", "sample", "cross", "cluster", "train"} & set(changed), (
+        "stages the lost run finished"
+    )
     status = subprocess.run(
         ["semspec", "services", "status"], cwd=project.root, env=project.env, text=True, capture_output=True
     )
@@ -184,7 +187,7 @@ def test_full_deployment_survives_a_killed_prefect_server_and_records_it_in_dvc(
     assert f"Compare the probes (MLflow): {project.mlflow}/#/compare-runs?runs=" in out
     report = project.artifact("semspec-embedded")
     assert "## Compare the probe variants" in report
-    for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
+    for stage in STAGES:
         assert f"| {stage} | dvc | {'ran' if stage in changed else 'up to date'} |" in report, report
     assert "## Decode smoke test (registered champion probes)" in report and "probe-target-all" in report
     assert "Data and pipelines are up to date" in project.run("dvc", "status").stdout
@@ -270,7 +273,7 @@ def test_mlflow_ui_lists_probe_and_evaluation_runs_with_metrics(project):
 def test_second_run_skips_every_stage(project):
     project.run("prefect", "deployment", "run", "semspec/full", "--watch")
     report = project.artifact("semspec-embedded")
-    for stage in ("ingest", "sample", "cluster", "train", "evaluate"):
+    for stage in STAGES:
         assert f"| {stage} | dvc | up to date |" in report
 
 

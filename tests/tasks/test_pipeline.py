@@ -18,6 +18,7 @@ from semspec.models.judges import EmbeddingJudge
 from semspec.models.lm import load_lm
 from semspec.tasks.cluster import inject_noise, label_prefix, run_cluster
 from semspec.tasks.config import ClusterConfig, load_params
+from semspec.tasks.cross import run_cross
 from semspec.tasks.ingest import run_ingest
 from semspec.tasks.io import read_shards
 from semspec.tasks.sample import run_sample
@@ -52,8 +53,9 @@ def stages(tmp_path_factory):
         boost_tokens(lms[role].model, [lms[role].tokenizer.convert_tokens_to_ids("\n")], 3.0)
     prefixes = run_ingest(p.ingest, pair, tmp / "prefixes.parquet")
     run_sample(p.sample, pair, prefixes, tmp / "samples", lms=lms)
+    run_cross(p.sample, pair, prefixes, tmp / "samples", tmp / "cross", lms=lms)
     run_cluster(p.cluster, pair, tmp / "samples", tmp / "labels", prefixes, judge=_judge())
-    return {"tmp": tmp, "pair": pair, "params": p, "prefixes": prefixes}
+    return {"tmp": tmp, "pair": pair, "params": p, "prefixes": prefixes, "lms": lms}
 
 
 def test_ingest_writes_the_prefix_schema(stages):
@@ -166,6 +168,7 @@ def trained(stages, tmp_path_factory):
             tmp / "plots",
             None,
             pipeline_fingerprint(stages["params"], stages["pair"]),
+            tmp / "cross",
         )
         yield res
     finally:
@@ -180,8 +183,8 @@ def test_train_registers_eight_champion_probes(stages, trained):
     import mlflow
 
     tmp = stages["tmp"]
-    assert set(trained) == {"draft", "target"}
-    for role in trained:
+    assert set(trained) == {"draft", "target", "_routing"}
+    for role in ("draft", "target"):
         assert set(trained[role]) == {"last", "all", "mix", "random"}
         for m in trained[role].values():
             assert {"mse", "mae", "spearman", "brier", "ece", "auroc"} <= set(m)
@@ -786,3 +789,102 @@ def test_the_pooling_study_repools_the_stored_steps_and_trains_both(stages):
     for pooling in POOLINGS:
         mse = res["all"][pooling]["mse"]
         assert len(mse) == 2 and all(np.isfinite(mse))
+
+
+def test_routing_metrics_on_hand_made_predictions():
+    from semspec.tasks.train import routing_metrics
+
+    shared = np.array([True, True, True, False, False])
+    perfect = routing_metrics(np.array([0.9, 0.8, 0.9, 0.0, 0.1]), np.full(5, 0.5), shared)
+    assert perfect["true_accept"] == 1.0 and perfect["false_accept"] == pytest.approx(0.1)
+    assert perfect["auroc"] == 1.0 and (perfect["n_shared"], perfect["n_not_shared"]) == (3, 2)
+    inverted = routing_metrics(np.array([0.0, 0.1, 0.0, 0.9, 0.8]), np.full(5, 0.5), shared)
+    assert inverted["auroc"] == 0.0 and inverted["true_accept"] < inverted["false_accept"] == 1.0
+    constant = routing_metrics(np.full(5, 0.3), np.full(5, 0.6), shared)
+    assert constant["true_accept"] == constant["false_accept"] == pytest.approx(0.5)
+    assert constant["auroc"] == 0.5, "a constant ratio cannot tell the two apart"
+    one_side = routing_metrics(np.ones(2), np.ones(2), np.array([True, True]))
+    assert (
+        one_side["true_accept"] == 1.0 and np.isnan(one_side["false_accept"]) and np.isnan(one_side["auroc"])
+    )
+    assert routing_metrics(np.zeros(1), np.zeros(1), np.array([False]))["false_accept"] == 0.0
+
+
+def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
+    import mlflow
+
+    routing = trained["_routing"]
+    assert set(routing) == {"last", "all", "mix", "random", "oracle"}
+    for m in routing.values():
+        assert m["n_shared"] + m["n_not_shared"] > 0
+        for k in ("true_accept", "false_accept"):
+            assert np.isnan(m[k]) or 0 <= m[k] <= 1
+    oracle = routing["oracle"]
+    # the oracle accepts every shared step with its true ratio and never a step the target does not say
+    assert oracle["false_accept"] == 0.0 or np.isnan(oracle["false_accept"])
+    saved = json.loads((stages["tmp"] / "metrics.json").read_text())["_routing"]
+    assert saved["all"]["n_shared"] == routing["all"]["n_shared"]
+    client = mlflow.MlflowClient(f"sqlite:///{stages['tmp']}/mlruns.db")
+    mv = client.get_model_version_by_alias("semspec-tiny-target-all", "champion")
+    run = client.get_run(mv.run_id)
+    assert "test_mse" in run.data.metrics and "routing_true_accept" in run.data.metrics, "side by side"
+    from semspec.flows.report import metrics_table
+
+    table = metrics_table(saved and json.loads((stages["tmp"] / "metrics.json").read_text()))
+    assert "| routing (test draft steps) |" in table and "| oracle |" in table
+
+
+def test_training_on_both_authors_uses_each_models_reading_of_the_other(stages, tmp_path):
+    from semspec.tasks.train import load_joint_probe_data, load_probe_data
+
+    tmp = stages["tmp"]
+    joint = pq.read_table(tmp / "labels" / "joint.parquet").to_pylist()
+    for role, other in (("draft", "target"), ("target", "draft")):
+        own = load_probe_data(tmp / "samples" / role, tmp / "labels" / f"{role}.parquet", ["all", "last"])
+        both = load_joint_probe_data(
+            role, tmp / "samples", tmp / "cross", tmp / "labels" / "joint.parquet", ["all"]
+        )
+        assert set(both.author.tolist()) == {role, other} and len(both.y) > len(own.y)
+        labelled = [r for r in joint if r[f"share_{role}"] is not None]
+        assert len(both.y) == len(labelled)
+        assert both.y.tolist() == pytest.approx([r[f"share_{role}"] for r in labelled])
+        # the other model's steps are read by this model: its width, not the author's
+        assert both.x["all"].shape[1] == own.x["all"].shape[1]
+    from semspec.tasks.config import TrainConfig
+    from semspec.tasks.train import run_train
+
+    cfg = TrainConfig(
+        variants=["all", "random"],
+        hidden_target=[8],
+        hidden_draft=[8],
+        max_epochs=3,
+        examples="both",
+        search=[{"hidden": []}, {"hidden": [8], "weight_decay": 0.1}],
+        register=False,
+    )
+    import os
+
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlruns.db"
+    try:
+        res = run_train(
+            cfg,
+            stages["pair"],
+            tmp / "samples",
+            tmp / "labels",
+            tmp_path / "probes",
+            tmp_path / "m.json",
+            tmp_path / "plots",
+            None,
+            None,
+            tmp / "cross",
+        )
+    finally:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlruns.db"
+    assert set(res["draft"]) == {"all", "random"} and "_routing" in res
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+    exp = client.get_experiment_by_name("semspec-tiny")
+    (run,) = client.search_runs([exp.experiment_id], "tags.role = 'target' and tags.variant = 'all'")
+    assert run.data.params["examples"] == "both"
+    assert run.data.params["chosen_hidden"] in ("[]", "[8]"), "the shape kept on validation is logged"

@@ -88,7 +88,7 @@ def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, mon
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     paths = {
-        "train": ("samples", "labels", "out", "metrics", "plots"),
+        "train": ("samples", "cross", "labels", "out", "metrics", "plots"),
         "evaluate": ("probes", "out", "plots", "metrics"),
     }[name]
     t0 = time.perf_counter()
@@ -277,8 +277,9 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path, observe
     parts = tmp_path / "labels" / ".parts"
     kill_mid_run(CLUSTER_SCRIPT, tmp_path, lambda: len(list(parts.glob("*/part-*.parquet"))) >= 5, 120)
     n_parts = len(list(parts.glob("*/part-*.parquet")))
-    assert 5 <= n_parts < 20, f"the kill should land mid-stage, found {n_parts} parts"
-    done = {r: labelled_prefixes(parts / r) for r in ("draft", "target")}
+    assert 5 <= n_parts < 30, f"the kill should land mid-stage, found {n_parts} parts"
+    kinds = ("draft", "target", "joint")  # joint: both roles' samples of a prefix clustered together
+    done = {r: labelled_prefixes(parts / r) for r in kinds}
     judged = []
 
     def embed(texts):
@@ -296,16 +297,18 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path, observe
         judge=EmbeddingJudge(embed, threshold=0.999),
     )
     # p3 has no valid sample, so it is never judged; every other prefix is judged once, in one call
-    todo = [(r, f"p{i}") for r in ("draft", "target") for i in range(10) if f"p{i}" not in done[r]]
+    todo = [(r, f"p{i}") for r in kinds for i in range(10) if f"p{i}" not in done[r]]
     assert len(judged) == sum(p != "p3" for _, p in todo), "finished parts are not labelled again"
     for role in ("draft", "target"):
         rows = pq.read_table(out[role]).to_pylist()
         keys = {(r["prefix_id"], r["sample_idx"]) for r in rows}
         assert len(rows) == len(keys) == 9 * 4, "every valid sample labelled exactly once"
         assert {r["prefix_id"] for r in rows} == {f"p{i}" for i in range(10)} - {"p3"}
+    joint = pq.read_table(out["joint"]).to_pylist()
+    assert len(joint) == len({(r["prefix_id"], r["author"], r["sample_idx"]) for r in joint}) == 2 * 9 * 4
     assert not parts.exists(), "the parts are removed once the labels are whole"
     observed(
-        f"cluster SIGKILLed with {n_parts} of 20 (role, prefix) parts labelled; the rerun judged "
+        f"cluster SIGKILLed with {n_parts} of 30 (role or joint, prefix) parts labelled; the rerun judged "
         f"{len(judged)} prefixes (p3 has no valid sample), 36 rows per role, no duplicate"
     )
     # a rerun with other settings does not reuse stale parts
@@ -320,7 +323,7 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path, observe
         tmp_path / "prefixes.parquet",
         judge=EmbeddingJudge(embed, threshold=0.999),
     )
-    assert len(judged) == 18
+    assert len(judged) == 27, "each role's 9 valid prefixes and the 9 joint ones, judged again"
 
 
 def _kill_actors(title: str, times: int, stop: threading.Event, killed: list[int]) -> None:

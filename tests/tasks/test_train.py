@@ -58,3 +58,17 @@ def test_fit_probe_on_a_tiny_split_gives_finite_predictions(capsys, caplog):
     assert all(torch.isfinite(t).all() for t in probe.state_dict().values())
     pred = predict(probe, data.x["all"] * 100)  # far outside the training range
     assert np.isfinite(pred).all() and ((pred >= 0) & (pred <= 1)).all()
+
+
+def test_a_training_fraction_keeps_nested_seeded_subsets_of_questions():
+    import numpy as np
+
+    from semspec.tasks.train import keep_questions
+
+    q = np.array([f"q{i % 200}" for i in range(1000)])
+    quarter, half = keep_questions(q, 0.25, 0), keep_questions(q, 0.5, 0)
+    assert 0.18 < quarter.mean() < 0.32 and 0.42 < half.mean() < 0.58
+    assert not (quarter & ~half).any(), "a smaller share keeps a subset of a larger one's questions"
+    same = {qq for qq, k in zip(q, quarter, strict=True) if k}
+    assert all(k == (qq in same) for qq, k in zip(q, quarter, strict=True)), "by question, not by row"
+    assert keep_questions(q, 1.0, 0).all() and (keep_questions(q, 0.25, 1) != quarter).any()
