@@ -387,7 +387,6 @@ def decode(
     """Answer a question, streaming each step as it is accepted (draft) or written by the target."""
     import json
 
-    from semspec.models.decoding import DecodeSettings
     from semspec.models.lm import load_lm
     from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, split_probe_key
     from semspec.models.project import load_pair
@@ -409,10 +408,9 @@ def decode(
 
     params = _or_exit(load_params)
     pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
-    top_p = params.evaluate.top_p  # the nucleus cut the evaluation samples with
-    settings = _or_exit(
-        lambda: DecodeSettings(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma, seed=seed
+    settings = _or_exit(  # the evaluation's settings, with this command's options
+        lambda: params.evaluate.decode_settings(
+            max_new_tokens=max_new_tokens, temperature=temperature, gamma=gamma, seed=seed
         )
     )
     if method == PROBE_METHOD:
@@ -479,7 +477,6 @@ def bench(
     --batch: throughput per batch size (continuous batching), each beside the target at that size."""
     import json
 
-    from semspec.models.decoding import DecodeSettings
     from semspec.models.lm import load_lm
     from semspec.models.names import PROBE_VARIANTS
     from semspec.models.project import load_pair
@@ -497,13 +494,10 @@ def bench(
     ev = params.evaluate  # decode as the evaluation does (temperature, top_p)
     pair_config = _or_exit(load_pair, pair or params.pair, None, params.split_strategy)
     lms = {r: load_lm(pair_config.role(r)) for r in ROLES}
-    settings = DecodeSettings(
+    settings = ev.decode_settings(
         max_new_tokens=max_new_tokens,
         salvage=salvage,
-        temperature=ev.temperature,
-        top_p=ev.top_p,
-        lookahead=ev.lookahead if lookahead is None else lookahead,
-        rewrite_wait=ev.rewrite_wait,
+        **({} if lookahead is None else {"lookahead": lookahead}),
     )
     if batch:
         summary = _or_exit(

@@ -52,6 +52,14 @@ def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force:
     return asdict(run)
 
 
+SMOKE_TOKENS = 48  # the smoke test's output budget: a few steps
+
+
+def smoke_settings(params: Any) -> DecodeSettings:
+    """The smoke test decodes as the evaluation does, within a few steps' budget."""
+    return params.evaluate.decode_settings(max_new_tokens=SMOKE_TOKENS)
+
+
 @task(
     name="decode-smoke",
     task_run_name="decode-smoke[{pair}]",
@@ -59,16 +67,13 @@ def stage_task(stage: str, pair: str, profile: str, overrides: list[str], force:
     retries=1,  # the registry is a database that can be busy
     retry_delay_seconds=10,
 )
-def decode_smoke(
-    pair: str, variant: str, split_strategy: str = "paragraph", max_new_tokens: int = 48
-) -> dict[str, Any]:
-    """Load both models and the ``champion`` probes of ``variant`` from the registry, decode one question."""
+def decode_smoke(pair: str, variant: str, split_strategy: str, settings: DecodeSettings) -> dict[str, Any]:
+    """Load both models and the ``champion`` probes of ``variant`` from the registry, decode one question
+    with ``settings`` (the evaluation's, see ``smoke_settings``)."""
     logger = get_run_logger()
     pair_config = load_pair(pair, split_strategy=split_strategy)
     lms = {role: load_lm(pair_config.role(role)) for role in ROLES}
-    dec = build_decoder(
-        PROBE_METHOD, pair_config, lms, DecodeSettings(max_new_tokens=max_new_tokens), variant
-    )
+    dec = build_decoder(PROBE_METHOD, pair_config, lms, settings, variant)
     res = dec.decode(SMOKE_QUESTION)
     if not res.steps:
         raise RuntimeError(f"decode smoke test for {pair} produced no step")
@@ -184,7 +189,7 @@ def run_pair(pair: str, profile: str, stages: list[str], overrides: list[str], f
             variant = (
                 "all" if "all" in variants else next((v for v in variants if v != "random"), variants[0])
             )
-            smoke = decode_smoke(pair, variant, params.split_strategy)
+            smoke = decode_smoke(pair, variant, params.split_strategy, smoke_settings(params))
     publish_report(pair, profile, runs, smoke)
     return {"stages": runs, "decode": smoke}
 

@@ -35,7 +35,7 @@ from mlflow.tracking.context.registry import resolve_tags
 from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
-from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable, decode_all
+from semspec.models.decoding import DecodeResult, MethodNotApplicable, decode_all
 from semspec.models.grading import grade
 from semspec.models.lm import LM, load_lm
 from semspec.models.names import PROBE_METHOD, ROLES, parse_label
@@ -93,17 +93,7 @@ def _decoders(
     pins: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The decoders of every method label, and the labels that cannot run on this pair with the reason."""
-    settings = DecodeSettings(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        gamma=cfg.gamma,
-        min_ratio=cfg.min_ratio,
-        lookahead=cfg.lookahead,
-        rewrite_wait=cfg.rewrite_wait,
-        seed=seed,
-        benchmark="gpqa" if benchmark == "gpqa" else "math",
-    )
+    settings = cfg.decode_settings(seed=seed, benchmark="gpqa" if benchmark == "gpqa" else "math")
     out, skipped = {}, {}
     for label in cfg.method_labels():
         method, variant = parse_label(label)

@@ -19,9 +19,13 @@ def harness():
         yield
 
 
+smoke_seen: list = []  # the settings each decode smoke test got
+
+
 @pytest.fixture
 def recorded(monkeypatch, tmp_path, harness):
     calls: list[tuple] = []
+    smoke_seen.clear()
 
     def fake_run_stage(req, on_line):
         on_line(f"running {req.stage}")
@@ -29,8 +33,9 @@ def recorded(monkeypatch, tmp_path, harness):
         return StageRun(req.stage, req.pair, "direct", False, 0.01, f"semspec {req.stage}")
 
     @task(name="decode-smoke")
-    def fake_smoke(pair: str, variant: str, split_strategy: str = "paragraph", max_new_tokens: int = 48):
+    def fake_smoke(pair: str, variant: str, split_strategy: str, settings):
         calls.append(("decode", pair, variant))
+        smoke_seen.append(settings)
         return {
             "question": "q",
             "probe": variant,
@@ -53,6 +58,7 @@ def test_full_runs_every_stage_in_order_then_the_smoke_test(recorded):
     assert [c[0] for c in recorded] == [*STAGES, "decode"]
     assert all(c[1:4] == ("embedded", "tiny", ()) and c[4] is False for c in recorded[:-1])
     assert recorded[-1] == ("decode", "embedded", "all")
+    assert smoke_seen == [pipeline.smoke_settings(pipeline.load_params(None, "tiny"))]  # the evaluation's
     assert [r["stage"] for r in out["embedded"]["stages"]] == list(STAGES)
 
 

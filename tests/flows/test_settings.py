@@ -1,0 +1,92 @@
+"""One mapping from params to decoder settings: the evaluation, `semspec decode`, `semspec bench` and the
+flow's decode smoke test build their ``DecodeSettings`` from the same params, and differ only in the fields
+each is asked to set (its own budget, its command-line options, the seed, how answers are read)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+import semspec.models.lm as lm_module
+import semspec.models.project as project
+import semspec.tasks.bench as bench
+import semspec.tasks.config as config
+import semspec.tasks.decoders as decoders
+import semspec.tasks.evaluate as evaluate
+from semspec.flows.cli import app
+from semspec.flows.pipeline import SMOKE_TOKENS, smoke_settings
+from semspec.models.decoding import DecodeSettings
+
+# every knob away from DecodeSettings' own defaults, so a call site that forgets one shows
+PARAMS = [
+    "evaluate.temperature=0.7",
+    "evaluate.top_p=0.8",
+    "evaluate.gamma=2",
+    "evaluate.min_ratio=0.5",
+    "evaluate.lookahead=2",
+    "evaluate.rewrite_wait=3",
+    "evaluate.max_new_tokens=200",
+]
+
+
+class _Stop(ValueError):
+    """Raised by the fakes once the settings are captured (the CLI turns a ValueError into exit 2)."""
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Params with ``PARAMS``; model loading faked; every decoder construction records its settings."""
+    params = config.load_params(None, "tiny", PARAMS)
+    seen: list[DecodeSettings] = []
+
+    def record(method, pair, lms, settings, *rest):
+        seen.append(settings)
+        raise _Stop("captured")
+
+    def record_bench(pair, lms, n, settings, *rest):
+        seen.append(settings)
+        raise _Stop("captured")
+
+    monkeypatch.setattr(config, "load_params", lambda *a, **k: params)
+    monkeypatch.setattr(project, "load_pair", lambda *a, **k: SimpleNamespace(role=lambda role: None))
+    monkeypatch.setattr(lm_module, "load_lm", lambda spec: None)
+    monkeypatch.setattr(decoders, "build_decoder", record)
+    monkeypatch.setattr(evaluate, "build_decoder", record)
+    monkeypatch.setattr(bench, "run_bench", record_bench)
+    monkeypatch.setattr(bench, "run_batch_bench", record_bench)
+    return params, seen
+
+
+def test_the_four_callers_decode_with_the_evaluations_settings(captured):
+    params, seen = captured
+    with pytest.raises(_Stop):
+        evaluate._decoders(params.evaluate, None, {}, "math", seed=0)
+    runner = CliRunner()
+    res = runner.invoke(
+        app, ["decode", "What is 2+2?", "--method", "target", "--temperature", "0.7", "--gamma", "2"]
+    )
+    assert res.exit_code == 2 and "captured" in res.output, res.output
+    assert runner.invoke(app, ["bench", "--max-new-tokens", "200"]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--max-new-tokens", "200", "--batch", "2"]).exit_code == 2
+    smoke = smoke_settings(params)
+    assert len(seen) == 4
+    ev, dec, bench_one, bench_batch = seen
+    # the evaluation's settings are the params' (none left at DecodeSettings' defaults)
+    defaults = asdict(DecodeSettings())
+    for key in ("temperature", "top_p", "gamma", "min_ratio", "lookahead", "rewrite_wait", "max_new_tokens"):
+        assert asdict(ev)[key] == getattr(params.evaluate, key) != defaults[key], key
+    # each caller differs from it only in what it sets itself: the budget (the decode command: its options)
+    assert dec == replace(ev, max_new_tokens=256)
+    assert bench_one == bench_batch == ev
+    assert smoke == replace(ev, max_new_tokens=SMOKE_TOKENS)
+
+
+def test_an_override_replaces_one_field_and_a_bad_value_names_it():
+    ev = config.load_params(None, "tiny", ["evaluate.top_p=0.8"]).evaluate
+    assert ev.decode_settings(seed=5) == replace(ev.decode_settings(), seed=5)
+    assert ev.decode_settings().top_p == 0.8
+    with pytest.raises(ValueError, match="lookahead"):
+        ev.decode_settings(lookahead=-1)
