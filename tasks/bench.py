@@ -254,3 +254,33 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
             *(num(s[k]) for k in rest),
         ],
     )
+
+
+def bench(
+    params: Any,
+    pair_name: str,
+    n: int,
+    batch: tuple[int, ...] = (),
+    variants: tuple[str, ...] = PROBE_VARIANTS,
+    with_assisted: bool = True,
+    both_salvage: bool = False,
+    **options: Any,
+) -> tuple[dict[str, Any], str]:
+    """`semspec bench`: load ``pair_name``'s models and time every method on ``n`` questions with the
+    evaluation's settings (``options`` replace single fields: the budget, salvage, lookahead), one at a
+    time, or per batch size in ``batch`` (SemanticSpec with ``variants``). Returns the summary and its
+    table."""
+    from semspec.models.lm import load_lm
+    from semspec.models.names import ROLES
+    from semspec.models.project import load_pair
+
+    if bad := set(variants) - set(PROBE_VARIANTS):
+        raise ValueError(f"unknown probe variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}")
+    pair = load_pair(pair_name, None, params.split_strategy)
+    settings = params.evaluate.decode_settings(**options)
+    lms = {r: load_lm(pair.role(r)) for r in ROLES}
+    if batch:
+        summary = run_batch_bench(pair, lms, n, settings, batch, variants)
+        return summary, format_batch_bench(summary)
+    summary = run_bench(pair, lms, n, settings, 0, with_assisted, variants, both_salvage)
+    return summary, format_bench(summary)
