@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 FRACTIONS = (0.25, 0.5, 1.0)
 EXAMPLES = ("own", "both")
@@ -67,14 +68,17 @@ def main() -> None:
     print_curve(curve)
     if a.skip_eval:
         return
+    evals = Path("eval") / f"{a.pair}-{a.profile}"
     for examples in EXAMPLES:
-        out = Path("eval") / f"{a.pair}-{a.profile}" / examples
         semspec(
             "evaluate", *common,
             "--probes", str(data / f"probes-{examples}-1"),
-            "--out", str(out), "--plots", str(reports / f"eval-{examples}"),
+            "--out", str(evals / examples), "--plots", str(reports / f"eval-{examples}"),
             "--metrics", str(reports / f"eval-{examples}.json"),
         )  # fmt: skip
+    table = {examples: evidence(evals / examples) for examples in EXAMPLES}
+    print_evidence(table, json.loads((evals / EXAMPLES[0] / "metrics.json").read_text())["_models"])
+    plot_evidence(table, reports / "pass_vs_latency.png")
 
 
 def print_curve(curve: dict) -> None:
@@ -89,6 +93,72 @@ def print_curve(curve: dict) -> None:
                 f"{examples:8s} {frac:6.0%} {variant:8s} {m['true_accept']:9.3f} {m['false_accept']:10.3f} "
                 f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d}"
             )
+
+
+def evidence(folder: Path) -> dict[str, dict[str, Any]]:
+    """Per method label of one evaluation (every benchmark pooled, each problem once): pass@1 and its 95%
+    interval, the paired differences to ``target`` and to ``draft`` with theirs, the speed-up by latency
+    against the target of the same run, the target's share of tokens and the step acceptance."""
+    from semspec.tasks.evaluate import summarize_rows
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("*/*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            rows.setdefault(path.stem, []).append(
+                {**r, "question_id": f"{path.parent.name}/{r['question_id']}"}
+            )
+    out = {}
+    for label, mine in rows.items():
+        vs_target = summarize_rows(mine, rows.get("target"))
+        vs_draft = summarize_rows(mine, rows.get("draft"))
+        out[label] = {
+            **vs_target,
+            "delta_vs_draft": vs_draft.get("delta_vs_target"),
+            "delta_vs_draft_ci95": vs_draft.get("delta_vs_target_ci95"),
+        }
+    return out
+
+
+def _ci(v: list[float] | None, sign: str = "+") -> str:
+    return "" if not v else f"[{v[0]:{sign}.2f}, {v[1]:{sign}.2f}]"
+
+
+def print_evidence(table: dict[str, dict[str, dict[str, Any]]], models: Any) -> None:
+    """One line per probe set and method."""
+    print(f"models: {json.dumps(models)}")
+    head = f"{'probes':6s} {'method':22s} {'n':>3s} {'pass@1':>6s} {'95% CI':>14s} {'vs target':>9s} {'95% CI':>16s}"
+    print(head + f" {'vs draft':>8s} {'95% CI':>16s} {'speed-up':>8s} {'target share':>12s} {'accept':>6s}")
+    for examples, methods in table.items():
+        for label, m in sorted(methods.items()):
+            ci = m.get("pass@1_ci95")
+            acc = m.get("step_acceptance")
+            print(
+                f"{examples:6s} {label:22s} {m['n']:3d} {m['pass@1']:6.3f} {_ci(ci, ''):>14s} "
+                f"{m.get('delta_vs_target') or 0:+9.3f} {_ci(m.get('delta_vs_target_ci95')):>16s} "
+                f"{m.get('delta_vs_draft') or 0:+8.3f} {_ci(m.get('delta_vs_draft_ci95')):>16s} "
+                f"{m.get('speedup_latency') or 0:7.2f}x {m['target_share']:12.2f} "
+                f"{'' if acc is None else f'{acc:.2f}':>6s}"
+            )
+
+
+def plot_evidence(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    """pass@1 against mean latency per problem: one point per method and probe set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for examples, marker in zip(table, "os^", strict=False):  # a marker per probe set
+        for label, m in sorted(table[examples].items()):
+            ax.scatter(m["cost_s"], m["pass@1"], marker=marker, s=50, label=f"{label} ({examples} probes)")
+    ax.set(xlabel="machine time per problem (s)", ylabel="pass@1", title="weak draft: pass@1 vs latency")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
