@@ -1,13 +1,16 @@
 """The weak-draft evidence: can probes trained on both models' steps make SemanticSpec correct a weak draft?
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval]
+                                    [--set section.key=value ... --name NAME]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/``. A step already done is skipped when run again. Prints the learning
-curve and both evaluations' tables. Each model's format is in the tables' notes.
+curve and both evaluations' tables. Each model's format is in the tables' notes. ``--set`` overrides
+params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
+keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ def main() -> None:
     ap.add_argument("--pair", default="smollm-qwen")
     ap.add_argument("--profile", default="weakdraft")
     ap.add_argument("--skip-eval", action="store_true", help="stop after the learning curve")
+    ap.add_argument(
+        "--set", action="append", default=[], dest="sets", help="a param override, section.key=value"
+    )
+    ap.add_argument("--name", default="", help="suffix of the output folders (required with --set)")
     a = ap.parse_args()
-    common = ["--pair", a.pair, "--profile", a.profile]
-    data, reports = Path("data") / f"{a.pair}-{a.profile}", Path("reports") / f"{a.pair}-{a.profile}"
+    if a.sets and not a.name:
+        ap.error("--set changes what is computed: name the run with --name so its outputs stay apart")
+    common = ["--pair", a.pair, "--profile", a.profile, *(x for o in a.sets for x in ("--set", o))]
+    run = "-".join(filter(None, (a.pair, a.profile, a.name)))
+    data, reports = Path("data") / run, Path("reports") / run
     prefixes, samples, cross, labels = (
         data / "prefixes.parquet",
         data / "samples",
@@ -68,7 +78,7 @@ def main() -> None:
     print_curve(curve)
     if a.skip_eval:
         return
-    evals = Path("eval") / f"{a.pair}-{a.profile}"
+    evals = Path("eval") / run
     for examples in EXAMPLES:
         semspec(
             "evaluate", *common,
