@@ -26,7 +26,7 @@ from semspec.models.lm import load_lm
 from semspec.models.names import PROBE_METHOD, ROLES, SMOKE_STAGE, STAGES
 from semspec.models.project import load_pair, project_root
 from semspec.tasks.config import load_params
-from semspec.tasks.decoders import build_decoder
+from semspec.tasks.decoders import build_decoder, decode_settings
 from semspec.tasks.retrain import NOT_EVALUATED, pair_statuses
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ SMOKE_TOKENS = 48  # the smoke test's output budget: a few steps
 
 def smoke_settings(params: Any) -> DecodeSettings:
     """The smoke test decodes as the evaluation does, within a few steps' budget."""
-    return params.evaluate.decode_settings(max_new_tokens=SMOKE_TOKENS)
+    return decode_settings(params.evaluate, max_new_tokens=SMOKE_TOKENS)
 
 
 @task(

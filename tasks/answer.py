@@ -20,7 +20,7 @@ def open_decoder(params: Params, pair_name: str, method: str, probe: str, **opti
     from semspec.tasks import decoders
 
     pair = load_pair(pair_name, None, params.split_strategy)
-    settings = params.evaluate.decode_settings(**options)
+    settings = decoders.decode_settings(params.evaluate, **options)
     if method == PROBE_METHOD:
         from semspec.tasks.probe_registry import registered_version
 

@@ -16,7 +16,7 @@ from semspec.models.lm import LM
 from semspec.models.names import PROBE_METHOD, PROBE_VARIANTS, method_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.data import generate_arith
-from semspec.tasks.decoders import build_decoder
+from semspec.tasks.decoders import build_decoder, decode_settings
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ def bench(
     if bad := set(variants) - set(PROBE_VARIANTS):
         raise ValueError(f"unknown probe variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}")
     pair = load_pair(pair_name, None, params.split_strategy)
-    settings = params.evaluate.decode_settings(**options)
+    settings = decode_settings(params.evaluate, **options)
     lms = {r: load_lm(pair.role(r)) for r in ROLES}
     if batch:
         summary = run_batch_bench(pair, lms, n, settings, batch, variants)

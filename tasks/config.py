@@ -10,12 +10,9 @@ import copy
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
-
-if TYPE_CHECKING:
-    from semspec.models.decoding import DecodeSettings
 
 from semspec.models.names import (
     ALL_DOMAINS,
@@ -276,24 +273,6 @@ class EvaluateConfig:
     rewrite_wait: int = 0  # batches: rounds a rejected row may wait to share a rewrite (0: off)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
-
-    def decode_settings(self, **overrides: Any) -> DecodeSettings:
-        """The decoders' settings these params mean: the one mapping from configuration to
-        ``DecodeSettings`` (the evaluation, ``semspec decode``, ``semspec bench`` and the flow's smoke test
-        all build theirs here). ``overrides`` replace single fields: a command-line option, the seed, how
-        answers are read."""
-        from semspec.models.decoding import DecodeSettings  # torch and transformers: not at config parse
-
-        base = {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "gamma": self.gamma,
-            "min_ratio": self.min_ratio,
-            "lookahead": self.lookahead,
-            "rewrite_wait": self.rewrite_wait,
-        }
-        return DecodeSettings(**{**base, **overrides})
 
     def __post_init__(self) -> None:
         check_domain(self.probe_domain)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -19,9 +20,27 @@ from semspec.models.names import METHODS, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
+from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.probe_registry import load_probe
 
 log = logging.getLogger(__name__)
+
+
+def decode_settings(cfg: EvaluateConfig, **overrides: Any) -> DecodeSettings:
+    """The decoders' settings the evaluate params mean: the one mapping from configuration to
+    ``DecodeSettings`` (the evaluation, ``semspec decode``, ``semspec bench`` and the flow's smoke test all
+    build theirs here). ``overrides`` replace single fields: a command-line option, the seed, how answers
+    are read."""
+    base = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "gamma": cfg.gamma,
+        "min_ratio": cfg.min_ratio,
+        "lookahead": cfg.lookahead,
+        "rewrite_wait": cfg.rewrite_wait,
+    }
+    return DecodeSettings(**{**base, **overrides})
 
 
 class RegisteredProbe:

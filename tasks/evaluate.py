@@ -42,7 +42,7 @@ from semspec.models.names import PROBE_METHOD, ROLES, parse_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem, generate_arith, load_source
-from semspec.tasks.decoders import build_decoder
+from semspec.tasks.decoders import build_decoder, decode_settings
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import (
     atomic_path,
@@ -93,7 +93,7 @@ def _decoders(
     pins: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The decoders of every method label, and the labels that cannot run on this pair with the reason."""
-    settings = cfg.decode_settings(seed=seed, benchmark="gpqa" if benchmark == "gpqa" else "math")
+    settings = decode_settings(cfg, seed=seed, benchmark="gpqa" if benchmark == "gpqa" else "math")
     out, skipped = {}, {}
     for label in cfg.method_labels():
         method, variant = parse_label(label)

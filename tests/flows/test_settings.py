@@ -86,7 +86,7 @@ def test_the_four_callers_decode_with_the_evaluations_settings(captured):
 
 def test_an_override_replaces_one_field_and_a_bad_value_names_it():
     ev = config.load_params(None, "tiny", ["evaluate.top_p=0.8"]).evaluate
-    assert ev.decode_settings(seed=5) == replace(ev.decode_settings(), seed=5)
-    assert ev.decode_settings().top_p == 0.8
+    assert decoders.decode_settings(ev, seed=5) == replace(decoders.decode_settings(ev), seed=5)
+    assert decoders.decode_settings(ev).top_p == 0.8
     with pytest.raises(ValueError, match="lookahead"):
-        ev.decode_settings(lookahead=-1)
+        decoders.decode_settings(ev, lookahead=-1)
