@@ -32,7 +32,7 @@ from semspec.models.lm import LM, load_lm
 from semspec.models.project import load_pair
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder
-from semspec.tasks.evaluate import bootstrap_pass
+from semspec.tasks.eval_stats import bootstrap_pass
 
 CONTEXT = "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. How much does Tom spend in total?"
 STEP = "Next, 4 erasers at $0.50 each cost 4 * 0.50 = $2, so the erasers cost $2 in total.\n\n"

@@ -109,7 +109,7 @@ def evidence(folder: Path) -> dict[str, dict[str, Any]]:
     """Per method label of one evaluation (every benchmark pooled, each problem once): pass@1 and its 95%
     interval, the paired differences to ``target`` and to ``draft`` with theirs, the speed-up by latency
     against the target of the same run, the target's share of tokens and the step acceptance."""
-    from semspec.tasks.evaluate import summarize_rows
+    from semspec.tasks.eval_stats import summarize_rows
 
     rows: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(folder.glob("*/*.jsonl")):

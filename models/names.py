@@ -14,6 +14,7 @@ import re
 
 METHODS = ("target", "draft", "semanticspec", "specsampling", "assisted", "specreason")
 PROBE_METHOD = "semanticspec"  # the method that reads the registered probes
+STEP_METHODS = ("semanticspec", "specreason")  # the methods that verify whole draft steps (step acceptance)
 PROBE_VARIANTS = ("random", "last", "all", "mix")  # random: the paper's baseline probe
 ROLES = ("draft", "target")
 STAGES = ("ingest", "sample", "cross", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order

@@ -15,7 +15,7 @@ import semspec.models.project as project
 import semspec.tasks.bench as bench
 import semspec.tasks.config as config
 import semspec.tasks.decoders as decoders
-import semspec.tasks.evaluate as evaluate
+import semspec.tasks.eval_workers as eval_workers
 from semspec.flows.cli import app
 from semspec.flows.pipeline import SMOKE_TOKENS, smoke_settings
 from semspec.models.decoding import DecodeSettings
@@ -54,7 +54,7 @@ def captured(monkeypatch):
     monkeypatch.setattr(project, "load_pair", lambda *a, **k: SimpleNamespace(role=lambda role: None))
     monkeypatch.setattr(lm_module, "load_lm", lambda spec: None)
     monkeypatch.setattr(decoders, "build_decoder", record)
-    monkeypatch.setattr(evaluate, "build_decoder", record)
+    monkeypatch.setattr(eval_workers, "build_decoder", record)
     monkeypatch.setattr(bench, "run_bench", record_bench)
     monkeypatch.setattr(bench, "run_batch_bench", record_bench)
     return params, seen
@@ -63,7 +63,7 @@ def captured(monkeypatch):
 def test_the_four_callers_decode_with_the_evaluations_settings(captured):
     params, seen = captured
     with pytest.raises(_Stop):
-        evaluate._decoders(params.evaluate, None, {}, "math", seed=0)
+        eval_workers.method_decoders(params.evaluate, None, {}, "math", seed=0)
     runner = CliRunner()
     res = runner.invoke(
         app, ["decode", "What is 2+2?", "--method", "target", "--temperature", "0.7", "--gamma", "2"]

@@ -10,7 +10,8 @@ import pytest
 from semspec.models.decoding import SingleModelDecoder
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.evaluate import bootstrap_pass, run_evaluate, summarize_rows
+from semspec.tasks.eval_stats import bootstrap_pass, summarize_rows
+from semspec.tasks.evaluate import run_evaluate
 from tests.helpers.tiny import tiny_lm
 
 
@@ -215,11 +216,11 @@ def test_evaluate_spreads_problems_over_two_ray_actors(tmp_path, monkeypatch):
 
 
 def test_evaluate_decodes_with_the_configured_top_p():
-    from semspec.tasks.evaluate import _decoders
+    from semspec.tasks.eval_workers import method_decoders
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "draft"], temperature=0.7, top_p=0.8)
-    decoders, _ = _decoders(cfg, _pair(), lms, "arith", 0)
+    decoders, _ = method_decoders(cfg, _pair(), lms, "arith", 0)
     assert {(d.settings.temperature, d.settings.top_p) for d in decoders.values()} == {(0.7, 0.8)}
     with pytest.raises(ValueError, match="top_p"):
         EvaluateConfig(top_p=0.0)
@@ -227,7 +228,7 @@ def test_evaluate_decodes_with_the_configured_top_p():
 
 def test_every_method_has_its_own_fixed_colour():
     from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, method_label
-    from semspec.tasks.evaluate import method_style
+    from semspec.tasks.eval_plots import method_style
 
     labels = [m for m in METHODS if m != PROBE_METHOD] + [
         method_label(PROBE_METHOD, v) for v in PROBE_VARIANTS

@@ -462,7 +462,7 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
 
     import mlflow
 
-    from semspec.tasks.evaluate import LiveRuns
+    from semspec.tasks.eval_tracking import LiveRuns
 
     seen, real_done = [], LiveRuns.problem_done
 

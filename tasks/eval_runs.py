@@ -1,0 +1,79 @@
+"""What evaluation results were made with, and resuming: the run key of a per-problem row (rows with another
+key are decoded again) and the identity of a finished evaluation (what ``pairs status`` compares)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from semspec.models.pair import PairConfig
+from semspec.tasks.config import EvaluateConfig, Params
+from semspec.tasks.fingerprint import pipeline_fingerprint
+from semspec.tasks.io import atomic_path, config_hash
+
+log = logging.getLogger(__name__)
+
+
+def run_key(
+    cfg: EvaluateConfig, pair: PairConfig, label: str, identity: Any, formats: dict[str, str] | None = None
+) -> str:
+    """What a per-problem row depends on besides its problem and seed: the decoding settings, the pair file,
+    the formats its models run in here (``auto`` resolves per machine) and, for SemanticSpec, its
+    ``run_identity`` (probe versions, salvage). Rows with another key are stale
+    and decoded again. The number of actors is not part of it (a row does not depend on which replica
+    decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
+    probes' identity, not in the key of the other methods' rows."""
+    settings = {
+        k: v
+        for k, v in asdict(cfg).items()
+        if k not in ("benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain")
+    }
+    spec = {k: v for k, v in asdict(pair).items() if k != "description"}
+    return config_hash(
+        {
+            "evaluate": settings,
+            "pair": spec,
+            "label": label,
+            "probes": identity,
+            **({"formats": formats} if formats else {}),
+        }
+    )
+
+
+def resume_rows(path: Path, key: str) -> list[dict[str, Any]]:
+    """The rows of ``path`` made with ``key``; the file is rewritten (atomically) without the others."""
+    if not path.is_file():
+        return []
+    rows, stale = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            stale += 1
+            continue
+        if row.get("run_key") == key:
+            rows.append(row)
+        else:
+            stale += 1
+    if stale:
+        log.info("evaluate: %s: dropping %d rows of other settings (or cut by a crash)", path, stale)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+RUN_KEY = "_run"  # in the stage's metrics file: what the finished evaluation was run on
+
+
+def evaluation_identity(params: Params, pair: PairConfig, pins: dict[str, str] | None) -> dict[str, Any]:
+    """What a finished evaluation of ``pair`` depends on: the probes' fingerprint (pair file, data,
+    pipeline params), the evaluation settings and the probe versions it loaded."""
+    return {
+        **pipeline_fingerprint(params, pair),
+        "evaluate_hash": config_hash(asdict(params.evaluate)),
+        "split_strategy": params.split_strategy,
+        "probes": dict(sorted((pins or {}).items())),
+    }
