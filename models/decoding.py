@@ -230,9 +230,24 @@ class _Row:
     t0: float
     seed: int
     rng: random.Random
-    states: dict[str, LMState] = field(default_factory=dict)  # role -> state
-    pending: _Rewrite | None = None  # a rejected step waiting for the target to rewrite it
+    draft: LMState | None = None  # the draft's state (None when the decoder has no draft)
+    target: LMState | None = None  # the target's state (None when the decoder has no target)
+    queued: _Rewrite | None = None  # a rejected step waiting for the target to rewrite it
     waited: int = 0  # rounds it has waited
+
+    def state(self, role: str) -> LMState:
+        """The state of the model playing ``role``."""
+        state = self.draft if role == "draft" else self.target
+        if state is None:
+            raise ValueError(f"row {self.index} has no {role} state: the decoder has no {role} model")
+        return state
+
+    def set_state(self, role: str, state: LMState) -> None:
+        """Replace the state of the model playing ``role``."""
+        if role == "draft":
+            self.draft = state
+        else:
+            self.target = state
 
     def finished(self, s: DecodeSettings) -> bool:
         """Whether the row has used its budget or ended with EOS."""
@@ -326,7 +341,7 @@ class BatchDecoder:
             with _Clock(_timings(rows), role):
                 states = lm.prefill_many([lm.format_prompt(questions[i]) for i in indices])
             for row, state in zip(rows, states, strict=True):
-                row.states[role] = state
+                row.set_state(role, state)
         return rows
 
 
@@ -360,13 +375,14 @@ class SingleModelDecoder(BatchDecoder):
             return _step_budget(s, self.model, used)
 
         starts = [
-            StepStart(r.states[self.role], _step_budget(s, self.model, r.res.output_tokens), r.seed)
+            StepStart(r.state(self.role), _step_budget(s, self.model, r.res.output_tokens), r.seed)
             for r in rows
         ]
         with _Clock(_timings(rows), self.role):
             outs = self.model.decode_runs(starts, s.temperature, s.top_p, 1, more)
         for row, (steps, state) in zip(rows, outs, strict=True):
-            row.states[self.role], row.seed = state, row.seed + len(steps)
+            row.set_state(self.role, state)
+            row.seed += len(steps)
             for step in steps:
                 k = step.num_tokens
                 row.res.add(
@@ -407,22 +423,22 @@ class _DraftTarget(BatchDecoder):
         raise NotImplementedError
 
     def _advance(self, rows: list[_Row]) -> None:
-        """One round (``_round``) for the rows without a pending rewrite. The target rewrites the rejected
+        """One round (``_round``) for the rows without a queued rewrite. The target rewrites the rejected
         rows together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could
         go on without them: its decode forward costs about the same for one row as for several, and a row
         that waits goes through the same steps (only later)."""
         s = self.settings
-        active = [r for r in rows if r.pending is None]
+        active = [r for r in rows if r.queued is None]
         for it in self._round(active) if active else []:
-            it.row.pending = it
-        waiting = [r for r in rows if r.pending is not None]
+            it.row.queued = it
+        waiting = [r for r in rows if r.queued is not None]
         if not waiting:
             return
-        going = [r for r in rows if r.pending is None and not r.finished(s)]
+        going = [r for r in rows if r.queued is None and not r.finished(s)]
         if not going or 2 * len(waiting) >= len(rows) or max(r.waited for r in waiting) >= s.rewrite_wait:
-            self._rewrite([r.pending for r in waiting])
+            self._rewrite([r.queued for r in waiting])
             for r in waiting:
-                r.pending, r.waited = None, 0
+                r.queued, r.waited = None, 0
         else:
             for r in waiting:
                 r.waited += 1
@@ -446,12 +462,12 @@ class _DraftTarget(BatchDecoder):
             budgets[b].append(_step_budget(s, self.draft, used))
             return budgets[b][-1]
 
-        starts = [StepStart(r.states["draft"], budgets[b][0], r.seed) for b, r in enumerate(rows)]
+        starts = [StepStart(r.draft, budgets[b][0], r.seed) for b, r in enumerate(rows)]
         with _Clock(_timings(rows), "draft"):
             outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
         proposals = {}
         for b, (row, (steps, state)) in enumerate(zip(rows, outs, strict=True)):
-            row.states["draft"] = state
+            row.draft = state
             proposals[row.index] = list(zip(steps, budgets[b], strict=False))
         return proposals
 
@@ -466,13 +482,11 @@ class _DraftTarget(BatchDecoder):
         return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
 
     def _accept(
-        self, row: _Row, step: StepSample, verified: StepScore | int, **why: float | int | None
+        self, row: _Row, step: StepSample, target_state: LMState, k: int, **why: float | int | None
     ) -> None:
-        """The target's cache already holds the accepted draft step (``verified``: the target's scoring
-        of it, or the number of target tokens)."""
-        k = verified if isinstance(verified, int) else len(verified.token_ids)
-        if not isinstance(verified, int):
-            row.states["target"] = verified.state
+        """Keep an accepted draft step: ``target_state`` is the target's state with the step read (``k``
+        target tokens), ``why`` what decided it."""
+        row.target = target_state
         row.res.add(StepRecord("draft", step.text, step.num_tokens, k, **why))
         row.res.output_tokens += k
         if step.finish_reason == "eos":
@@ -493,7 +507,7 @@ class _DraftTarget(BatchDecoder):
             self._draft_reads(dstates, [step.text for step, _ in written])
         for it, (step, tstate), dstate, n in zip(items, written, dstates, before, strict=True):
             row = it.row
-            row.states["draft"], row.states["target"] = dstate, tstate
+            row.draft, row.target = dstate, tstate
             salvaged = min(it.salvaged, step.num_tokens)
             record = StepRecord(
                 "target",
@@ -527,6 +541,16 @@ class _DraftTarget(BatchDecoder):
                 dstates[i] = ext[0]
 
 
+@dataclass
+class _Verdict:
+    """SemanticSpec's judgement of one proposed step."""
+
+    score: StepScore | None  # the target's scoring of the step (None for an empty step)
+    accepted: bool
+    why: dict[str, float]  # p, q and the uniform draw u
+    restore: Callable[[], LMState]  # the target's state before the step
+
+
 class SemanticSpecDecoder(_DraftTarget):
     """SemanticSpec (Algorithm 1) with probes ``q_probe`` (draft) and ``p_probe`` (target)."""
 
@@ -557,9 +581,7 @@ class SemanticSpecDecoder(_DraftTarget):
         target to rewrite. A row consumes the seeds of the proposals it judged only, so its steps do not
         depend on how far it looked ahead."""
         s = self.settings
-        d_restores = {
-            r.index: r.states["draft"].checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8) for r in rows
-        }
+        d_restores = {r.index: r.draft.checkpoint(s.gamma * _step_budget(s, self.draft, 0) + 8) for r in rows}
         seeds = {r.index: r.seed for r in rows}
         proposals = self._propose(rows, s.gamma, s.lookahead)
         for row in rows:
@@ -588,34 +610,31 @@ class SemanticSpecDecoder(_DraftTarget):
             steps = [proposals[r.index][i][0] for r in current]
             verdicts = self._judge(current, steps)
             verifying = []
-            for row, step, (score, accepted, why, t_restore) in zip(current, steps, verdicts, strict=True):
-                if accepted:
-                    self._accept(row, step, score, **why)
+            for row, step, v in zip(current, steps, verdicts, strict=True):
+                if v.accepted and v.score is not None:
+                    self._accept(row, step, v.score.state, len(v.score.token_ids), **v.why)
                     if step.finish_reason != "eos":
                         verifying.append(row)
                     continue
                 row.seed = seeds[row.index] + i + 1
                 budget = _step_budget(s, self.target, row.res.output_tokens)
-                start, kept = self._salvage(row, score, budget, t_restore)
+                start, kept = self._salvage(row, v.score, budget, v.restore)
                 replay = [prev.text for prev, _ in proposals[row.index][:i]]
-                rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, why, kept))
+                rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, v.why, kept))
                 row.seed += 1
         if dropped:
             with _Clock(_timings([row for _, _, row in dropped]), "draft"):
                 states = self._draft_back([(restore, replay) for restore, replay, _ in dropped])
             for (_, _, row), state in zip(dropped, states, strict=True):
-                row.states["draft"] = state
+                row.draft = state
         return rewrites
 
-    def _judge(
-        self, rows: list[_Row], steps: list[StepSample]
-    ) -> list[tuple[StepScore | None, bool, dict[str, float], Callable[[], LMState]]]:
+    def _judge(self, rows: list[_Row], steps: list[StepSample]) -> list[_Verdict]:
         """The target prefills each row's step on its cache (in place, all rows in one padded prefill)
         and the probes give q and p (batched); a step is accepted when ``u < min(1, p/q)`` (and
-        ``p/q >= min_ratio`` when set). Returns per row the target's score of the step (None for an
-        empty step), whether it was accepted, ``{p, q, u}`` and how to restore the target's state."""
+        ``p/q >= min_ratio`` when set). Returns each row's verdict."""
         s, tms = self.settings, _timings(rows)
-        restores = [r.states["target"].checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
+        restores = [r.target.checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
         with _Clock(tms, "probe"):
             qs = _probe_all(self.q_probe, [step.pooled for step in steps])
         idx = [b for b, step in enumerate(steps) if step.text]
@@ -624,9 +643,7 @@ class SemanticSpecDecoder(_DraftTarget):
         if idx:
             scored = [rows[b] for b in idx]
             with _Clock(_timings(scored), "verify"):
-                out = self.target.score_steps(
-                    [r.states["target"] for r in scored], [steps[b].text for b in idx]
-                )
+                out = self.target.score_steps([r.target for r in scored], [steps[b].text for b in idx])
             with _Clock(_timings(scored), "probe"):
                 for b, p in zip(idx, _probe_all(self.p_probe, [sc.pooled for sc in out]), strict=True):
                     ps[b] = p
@@ -640,7 +657,7 @@ class SemanticSpecDecoder(_DraftTarget):
             accept = scores[b] is not None and u < min(1.0, ratio)
             if accept and s.min_ratio is not None and ratio < s.min_ratio:
                 accept = False
-            verdicts.append((scores[b], accept, {"p": p, "q": q, "u": u}, restores[b]))
+            verdicts.append(_Verdict(scores[b], accept, {"p": p, "q": q, "u": u}, restores[b]))
         return verdicts
 
     def _salvage(
@@ -651,7 +668,7 @@ class SemanticSpecDecoder(_DraftTarget):
         have written itself (its argmax at every position, from the verification prefill), which gives
         the target's own greedy step token for token. Otherwise (or when the cache cannot be cropped)
         from the target's state before the step."""
-        tstate = row.states["target"]
+        tstate = row.target
         if self.settings.salvages and score is not None:
             with _Clock(row.res.timings, "target"):
                 keep = self.target.greedy_agreement(score)
@@ -711,28 +728,26 @@ class SpecReasonDecoder(_DraftTarget):
         below the threshold, for the target to rewrite."""
         s = self.settings
         d_restores = {
-            r.index: r.states["draft"].checkpoint(_step_budget(s, self.draft, r.res.output_tokens) + 8)
-            for r in rows
+            r.index: r.draft.checkpoint(_step_budget(s, self.draft, r.res.output_tokens) + 8) for r in rows
         }
         proposals = self._propose(rows, 1)
         steps = [proposals[r.index][0][0] for r in rows]
         for row in rows:
             row.seed += 1
-        t_restores = [r.states["target"].checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
+        t_restores = [r.target.checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
         idx = [b for b, step in enumerate(steps) if step.text]
         rated: dict[int, tuple[int, LMState, int]] = {}
         if idx:
             scored = [rows[b] for b in idx]
             with _Clock(_timings(scored), "verify"):
-                out = self.rate([r.states["target"] for r in scored], [steps[b].text for b in idx])
+                out = self.rate([r.target for r in scored], [steps[b].text for b in idx])
             rated = dict(zip(idx, out, strict=True))
         rewrites = []
         for b, (row, step) in enumerate(zip(rows, steps, strict=True)):
             score, new_t, k = rated.get(b, (0, None, 0))
             row.res.target_prefill_tokens += k
             if new_t is not None and score >= s.accept_threshold:
-                row.states["target"] = new_t
-                self._accept(row, step, k, score=score)
+                self._accept(row, step, new_t, k, score=score)
                 continue
             budget = _step_budget(s, self.target, row.res.output_tokens)
             start = StepStart(t_restores[b](), budget, row.seed)

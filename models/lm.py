@@ -46,6 +46,7 @@ from transformers.generation.logits_process import (
 )
 
 from semspec.models.formats import Format, quantize_model, resolve_format
+from semspec.models.names import FEATURE_COLUMNS
 from semspec.models.pair import ModelSpec
 from semspec.models.steps import step_end
 from semspec.models.weights import (
@@ -83,14 +84,10 @@ class Pooled:
         return self.h_layers[1:].mean(dim=0)
 
     def feature(self, name: str) -> torch.Tensor:
-        """The probe input named ``name``: ``last`` ``[D]``, ``all``/``mean`` ``[D]``, ``layers`` ``[L+1, D]``."""
-        if name == "last":
-            return self.h_last
-        if name in ("all", "mean"):
-            return self.h_mean
-        if name in ("layers", "mix"):
-            return self.h_layers
-        raise ValueError(f"unknown feature {name!r}; expected last, all or mix")
+        """The input of a probe of variant ``name``: ``last`` ``[D]``, ``all`` ``[D]``, ``mix`` ``[L+1, D]``."""
+        if name not in FEATURE_COLUMNS:
+            raise ValueError(f"unknown feature {name!r}; expected one of {tuple(FEATURE_COLUMNS)}")
+        return getattr(self, FEATURE_COLUMNS[name])
 
 
 @dataclass

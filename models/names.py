@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import re
 
-METHODS = ("target", "draft", "semanticspec", "specsampling", "assisted", "specreason")
+METHODS = ("target", "draft", "specsampling", "assisted", "specreason", "semanticspec")
 PROBE_METHOD = "semanticspec"  # the method that reads the registered probes
 STEP_METHODS = ("semanticspec", "specreason")  # the methods that verify whole draft steps (step acceptance)
 PROBE_VARIANTS = ("random", "last", "all", "mix")  # random: the paper's baseline probe
 ROLES = ("draft", "target")
+# the pooled hidden states each trained probe variant reads: a field of models/lm.py's ``Pooled`` and the
+# sample stage's Parquet column of that name (``random`` reads nothing)
+FEATURE_COLUMNS = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
 STAGES = ("ingest", "sample", "cross", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order
 SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the registered probes
 CHAMPION = "champion"  # registry alias of the probe version that decoding loads

@@ -20,7 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-FEATURES = ("last", "all", "mix")
+from semspec.models.names import FEATURE_COLUMNS
+
+FEATURES = tuple(FEATURE_COLUMNS)  # the variants a trained probe can read
 SIGMA_FLOOR = 1e-6  # a standard deviation below this counts as constant
 WEIGHTS_FILE = "probe.safetensors"  # tensors only: loading it runs no code
 CONFIG_FILE = "probe.json"  # what module to build around the weights

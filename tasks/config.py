@@ -256,9 +256,7 @@ class EvaluateConfig:
     benchmarks: dict[str, int] = field(
         default_factory=lambda: {"arith": 4, "math500": 2}
     )  # name -> problems (0: all)
-    methods: list[str] = field(
-        default_factory=lambda: ["target", "draft", "specsampling", "assisted", "specreason", "semanticspec"]
-    )
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
     probe_variants: list[str] = field(default_factory=lambda: list(PROBE_VARIANTS))  # for semanticspec
     seeds: list[int] = field(default_factory=lambda: [0])
     max_new_tokens: int = 96

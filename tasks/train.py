@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from semspec.models.names import ALL_DOMAINS, ROLES, probe_key, split_probe_key
+from semspec.models.names import ALL_DOMAINS, FEATURE_COLUMNS, ROLES, probe_key, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.models.project import project_root
@@ -56,7 +56,6 @@ from semspec.tasks.probe_registry import (
 
 log = logging.getLogger(__name__)
 
-FEATURE_COLUMN = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
 ECE_BINS = 10
 MIN_TRAIN_ROWS = 2  # fewer cannot be standardised or early-stopped meaningfully
 
@@ -92,7 +91,7 @@ class _Features:
 def _read_features(folders: list[Path], variants: list[str]) -> _Features:
     """The feature rows of one role's shard folders (its own samples and, for ``both``, its reading of the
     other model's steps); shards without an ``author`` column are the role's own samples."""
-    feats = list(dict.fromkeys(["h_mean", *(FEATURE_COLUMN[v] for v in variants if v != "random")]))
+    feats = list(dict.fromkeys(["h_mean", *(FEATURE_COLUMNS[v] for v in variants if v != "random")]))
     keys, qids, mats, model_ids, formats = [], [], {f: [] for f in feats}, set(), set()
     for folder in folders:
         cols = ["prefix_id", "sample_idx", "question_id", "model_id", "role", *feats]
@@ -133,7 +132,7 @@ def _probe_data(
         ) from None
     d, x = feats.hidden_size, {}
     for v in variants:
-        m = feats.columns[FEATURE_COLUMN.get(v, "h_mean")][rows]
+        m = feats.columns[FEATURE_COLUMNS.get(v, "h_mean")][rows]
         x[v] = m.reshape(len(rows), -1, d) if v == "mix" else m
     return ProbeData(
         x=x,
@@ -524,7 +523,7 @@ def predict(probe: nn.Module, x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class _Run:
+class _TrainRun:
     """What every probe of one train stage run shares."""
 
     cfg: TrainConfig
@@ -564,51 +563,48 @@ def run_train(
     if not roles:
         raise ValueError(f"no labels in {labels_dir}: run the cluster stage first")
     setup_experiment(pair.name)
-    run = _Run(cfg, pair, plots_dir, git_commit(), fingerprint or {})
-    all_metrics: dict[str, Any] = {}
-    pointers: dict[str, dict[str, Any]] = {}
-    pending: list[dict[str, Any]] = []  # probes trained while MLflow was unreachable, kept locally
+    run = _TrainRun(cfg, pair, plots_dir, git_commit(), fingerprint or {})
+    done: _Outcome | None = None
     parent_tags = {"stage": TRAIN_PARENT, "pair": pair.name, "git_commit": run.commit, **run.fingerprint}
     try:
         with mlflow.start_run(run_name=f"train-{pair.name}", tags=parent_tags):  # the probes nest under it
-            trained = _train_roles(
-                run, roles, samples_dir, labels_dir, all_metrics, pointers, pending, out_dir, cross_dir
-            )
-            routing = _routing(trained, samples_dir, cross_dir, labels_dir, cfg.variants)
+            done = _train_roles(run, roles, samples_dir, labels_dir, out_dir, cross_dir)
+            routing = _routing(done.trained, samples_dir, cross_dir, labels_dir, cfg.variants)
             if routing:
-                all_metrics["_routing"] = routing
-                if not pending:
-                    _log_routing(routing, trained)
-            if not pending:
-                fig = variant_figure(all_metrics, pair.name)
+                done.metrics["_routing"] = routing
+                if not done.kept:
+                    _log_routing(routing, done.trained)
+            if not done.kept:
+                fig = variant_figure(done.metrics, pair.name)
                 save_figure_atomic(fig, plots_dir / "probe-variants.png")
                 mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
                 close_figure(fig)
     except TRACKING_ERRORS as e:
-        if not pending:
+        if done is None or not done.kept:
             raise
         log.warning("train: MLflow unreachable while closing the run: %s", e)
-    if pending:
+    if done.kept:
         write_json_atomic(
             {
                 "pair": pair.name,
                 "params": asdict(cfg),
                 "roles": roles,
-                "registered": pointers,
-                "pending": pending,
-                "metrics": all_metrics,
+                "registered": done.pointers,
+                "pending": [asdict(k) for k in done.kept],
+                "metrics": done.metrics,
                 "metrics_path": str(metrics_path),
                 "plots_dir": str(plots_dir),
             },
             out_dir / PENDING_FILE,
         )
         raise ValueError(
-            f"train: MLflow became unreachable; {len(pending)} trained probe(s) are kept in "
-            f"{out_dir / PENDING_DIR} ({len(pointers)} were registered before). Once MLflow is back, register "
-            f"them without retraining: semspec register --pair {pair.name} --probes {out_dir}"
+            f"train: MLflow became unreachable; {len(done.kept)} trained probe(s) are kept in "
+            f"{out_dir / PENDING_DIR} ({len(done.pointers)} were registered before). Once MLflow is back, "
+            f"register them without retraining: semspec register --pair {pair.name} --probes {out_dir}"
         )
-    _finish(all_metrics, metrics_path, {"params": asdict(cfg), "roles": roles, "probes": pointers}, out_dir)
-    return all_metrics
+    pointers = {"params": asdict(cfg), "roles": roles, "probes": done.pointers}
+    _finish(done.metrics, metrics_path, pointers, out_dir)
+    return done.metrics
 
 
 PENDING_FILE = "pending.json"  # in the train out folder: probes trained but not registered yet
@@ -624,26 +620,32 @@ def _finish(metrics: dict[str, Any], metrics_path: Path, pointers: dict[str, Any
 TRAIN_PARENT = "train-summary"  # the stage tag of the run that groups one train stage's probe runs
 
 
+@dataclass
+class _Outcome:
+    """What a train run's probes came to: the test metrics ``{role: {key: ...}}``, the registered probes'
+    pointers, the probes kept locally because MLflow was unreachable, and every probe by (role, key)."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    pointers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kept: list[_KeptProbe] = field(default_factory=list)
+    trained: dict[tuple[str, str], _Trained] = field(default_factory=dict)
+
+
 def _train_roles(
-    run: _Run,
+    run: _TrainRun,
     roles: list[str],
     samples_dir: Path,
     labels_dir: Path,
-    all_metrics: dict[str, Any],
-    pointers: dict[str, dict[str, Any]],
-    pending: list[dict[str, Any]],
     out_dir: Path,
     cross_dir: Path | None = None,
-) -> dict[tuple[str, str], _Trained]:
-    """Every (role, domain, variant) probe, each in a nested MLflow run; fills ``all_metrics`` and
-    ``pointers`` and returns the probes by (role, key). Once MLflow cannot be reached, every probe (the one
-    in flight included) is still trained and tested, and kept under ``out_dir/pending`` (listed in
-    ``pending``) to register later."""
-    cfg = run.cfg
-    out: dict[tuple[str, str], _Trained] = {}
+) -> _Outcome:
+    """Every (role, domain, variant) probe, each in a nested MLflow run. Once MLflow cannot be reached,
+    every probe (the one in flight included) is still trained and tested, and kept under
+    ``out_dir/pending`` to register later."""
+    cfg, done = run.cfg, _Outcome()
     for role in roles:
         data, labels_path, hashes = _role_data(cfg, role, samples_dir, labels_dir, cross_dir)
-        all_metrics[role] = {}
+        done.metrics[role] = {}
         parts = {}  # every domain's data and split, so that a bad domain fails before any fit
         for domain in cfg.domain_list():
             part = only_domain(data, domain, labels_path)
@@ -657,23 +659,29 @@ def _train_roles(
         for domain, (part, masks) in parts.items():
             for variant in cfg.variants:
                 key = probe_key(variant, domain)
-                trained = out[role, key] = _Trained(run, part, masks, hashes, role, key)
+                trained = done.trained[role, key] = _Trained(run, part, masks, hashes, role, key)
                 try:
-                    if not pending:
-                        try:
-                            metrics, ref = _track_probe(trained)
-                            all_metrics[role][key] = metrics
-                            pointers[f"{role}-{key}"] = asdict(ref)
-                            log.info(
-                                "train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()}
-                            )
-                            continue
-                        except TRACKING_ERRORS as e:
-                            log.error("train: MLflow unreachable (%s): the probes are kept locally", e)
-                    all_metrics[role][key] = trained.keep(out_dir / PENDING_DIR, pending)
+                    _track_or_keep(trained, done, out_dir / PENDING_DIR)
                 finally:
                     close_figure(trained.figure)
-    return out
+    return done
+
+
+def _track_or_keep(trained: _Trained, done: _Outcome, kept_dir: Path) -> None:
+    """Track and register one probe (``_track_probe``) while MLflow answers; else (from the first error on)
+    keep it under ``kept_dir`` to register later. Its test metrics go to ``done`` either way."""
+    role, key = trained.role, trained.key
+    if not done.kept:
+        try:
+            metrics, ref = _track_probe(trained)
+            done.metrics[role][key] = metrics
+            done.pointers[f"{role}-{key}"] = asdict(ref)
+            log.info("train[%s/%s]: %s", role, key, {k: round(v, 4) for k, v in metrics.items()})
+            return
+        except TRACKING_ERRORS as e:
+            log.error("train: MLflow unreachable (%s): the probes are kept locally", e)
+    done.kept.append(trained.keep(kept_dir))
+    done.metrics[role][key] = dict(trained.metrics)
 
 
 def _role_data(
@@ -772,7 +780,7 @@ class _Trained:
 
     def __init__(
         self,
-        run: _Run,
+        run: _TrainRun,
         data: ProbeData,
         masks: dict[str, np.ndarray],
         hashes: dict[str, str],
@@ -833,7 +841,7 @@ class _Trained:
             "hidden_size": str(self.data.hidden_size),
             "format": self.data.format,
             "variant": self.variant,
-            "feature": FEATURE_COLUMN.get(self.variant, "none"),
+            "feature": FEATURE_COLUMNS.get(self.variant, "none"),
             "pooling": run.pair.pooling,
             "examples": run.cfg.examples,
             "domain": self.domain,
@@ -846,35 +854,62 @@ class _Trained:
             **run.fingerprint,
         }
 
-    def keep(self, folder: Path, pending: list[dict[str, Any]]) -> dict[str, float]:
-        """Save the probe under ``folder/<role>-<key>`` and list what registering it needs in ``pending``;
-        returns its test metrics."""
+    def record(self, folder: Path) -> _KeptProbe:
+        """What registering this probe (saved in ``folder``) needs, now or later."""
+        return _KeptProbe(
+            role=self.role,
+            key=self.key,
+            folder=str(folder),
+            run_name=f"probe-{self.role}-{self.key}",
+            run_tags=self.run_tags(),
+            params=self.params(),
+            metrics={f"test_{k}": v for k, v in self.metrics.items() if np.isfinite(v)},
+            version_tags=self.version_tags(),
+            description=_description(self.run.pair, self.role, self.key),
+            plot=str(self.plot),
+        )
+
+    def keep(self, folder: Path) -> _KeptProbe:
+        """Fit if not yet, save the probe under ``folder/<role>-<key>``; returns what registering it needs."""
         self.fit(log_epochs=False)
         where = folder / f"{self.role}-{self.key}"
         save_probe(self.probe, where)
-        pending.append(
-            {
-                "role": self.role,
-                "key": self.key,
-                "folder": str(where),
-                "run_name": f"probe-{self.role}-{self.key}",
-                "run_tags": self.run_tags(),
-                "params": self.params(),
-                "metrics": {f"test_{k}": v for k, v in self.metrics.items() if np.isfinite(v)},
-                "version_tags": self.version_tags(),
-                "description": _description(self.run.pair, self.role, self.key),
-                "plot": str(self.plot),
-            }
-        )
         log.info("train[%s/%s] kept in %s: %s", self.role, self.key, where, self.metrics)
-        return dict(self.metrics)
+        return self.record(where)
+
+
+@dataclass
+class _KeptProbe:
+    """A trained probe's registration, written to ``pending.json`` when MLflow was unreachable: its run's
+    name, tags, params and test metrics, its calibration plot, and the version's tags and description."""
+
+    role: str
+    key: str
+    folder: str  # where the probe is saved
+    run_name: str
+    run_tags: dict[str, str]
+    params: dict[str, Any]
+    metrics: dict[str, float]
+    version_tags: dict[str, str]
+    description: str
+    plot: str
+
+
+def _log_and_register(kept: _KeptProbe, pair: str, register: bool) -> ProbeRef:
+    """In the active (probe) run: the test metrics and the calibration plot; then the probe in
+    ``kept.folder`` is stored as run artifacts and registered (``register``: as a new champion version)."""
+    mlflow.log_metrics(kept.metrics)
+    if Path(kept.plot).is_file():
+        mlflow.log_artifact(kept.plot)
+    return register_probe(
+        Path(kept.folder), pair, kept.role, kept.key, kept.version_tags, register, kept.description
+    )
 
 
 def _track_probe(t: _Trained) -> tuple[dict[str, float], ProbeRef]:
     """The probe in its own nested MLflow run: its params, the per-epoch MSE while it fits, its test
     metrics and calibration plot; stored as run artifacts and registered. Returns its test metrics and
     where it is stored."""
-    cfg, pair = t.run.cfg, t.run.pair
     with mlflow.start_run(run_name=f"probe-{t.role}-{t.key}", tags=t.run_tags(), nested=True) as active:
         t.run_id = active.info.run_id
         mlflow.log_params(t.params())
@@ -883,19 +918,9 @@ def _track_probe(t: _Trained) -> tuple[dict[str, float], ProbeRef]:
         if choice is not None:  # the shape kept (validation MSE) and every candidate fitted
             mlflow.log_params({f"chosen_{k}": choice[k] for k in ("hidden", "weight_decay", "epochs")})
             mlflow.log_dict(choice, "search.json")
-        mlflow.log_metrics({f"test_{k}": v for k, v in t.metrics.items() if np.isfinite(v)})
-        mlflow.log_figure(t.figure, "calibration.png")
         with tempfile.TemporaryDirectory(prefix="semspec-probe-") as tmp:
             save_probe(t.probe, Path(tmp))
-            ref = register_probe(
-                Path(tmp),
-                pair.name,
-                t.role,
-                t.key,
-                t.version_tags(),
-                cfg.register,
-                _description(pair, t.role, t.key),
-            )
+            ref = _log_and_register(t.record(Path(tmp)), t.run.pair.name, t.run.cfg.register)
     metrics = dict(t.metrics)
     if ref.version is not None:
         metrics["registered_version"] = int(ref.version)
@@ -917,24 +942,13 @@ def register_pending(out_dir: Path, register: bool = True) -> dict[str, Any]:
     with mlflow.start_run(
         run_name=f"train-{pair}-registered-later", tags={"stage": TRAIN_PARENT, "pair": pair}
     ):
-        for p in record["pending"]:
-            with mlflow.start_run(run_name=p["run_name"], tags=p["run_tags"], nested=True):
-                mlflow.log_params(p["params"])
-                mlflow.log_metrics(p["metrics"])
-                if Path(p["plot"]).is_file():
-                    mlflow.log_artifact(p["plot"])
-                ref = register_probe(
-                    Path(p["folder"]),
-                    pair,
-                    p["role"],
-                    p["key"],
-                    p["version_tags"],
-                    register,
-                    p["description"],
-                )
-            pointers[f"{p['role']}-{p['key']}"] = asdict(ref)
+        for kept in (_KeptProbe(**p) for p in record["pending"]):
+            with mlflow.start_run(run_name=kept.run_name, tags=kept.run_tags, nested=True):
+                mlflow.log_params(kept.params)
+                ref = _log_and_register(kept, pair, register)
+            pointers[f"{kept.role}-{kept.key}"] = asdict(ref)
             if ref.version is not None:
-                metrics[p["role"]][p["key"]]["registered_version"] = int(ref.version)
+                metrics[kept.role][kept.key]["registered_version"] = int(ref.version)
         fig = variant_figure(metrics, pair)
         save_figure_atomic(fig, Path(record["plots_dir"]) / "probe-variants.png")
         mlflow.log_figure(fig, "probe-variants.png")
@@ -983,7 +997,7 @@ def _probe_params(
         "pair": pair.name,
         "role": role,
         "variant": variant,
-        "feature": FEATURE_COLUMN.get(variant, "none"),
+        "feature": FEATURE_COLUMNS.get(variant, "none"),
         "pooling": pair.pooling,
         "hidden": cfg.hidden(role) if variant != "random" else [],
         "lr": cfg.lr,
