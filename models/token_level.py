@@ -25,15 +25,16 @@ class TokenSpecDecoder:
 
     method = "specsampling"
 
-    def __init__(self, draft: LM, target: LM, settings: DecodeSettings, lookahead: int = 4) -> None:
-        if lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+    def __init__(self, draft: LM, target: LM, settings: DecodeSettings, draft_tokens: int = 4) -> None:
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         if not same_vocabulary(draft, target):
             raise MethodNotApplicable(
                 f"token-level speculative sampling needs one vocabulary; {draft.model_id} and "
                 f"{target.model_id} have different tokenizers (use method 'assisted')"
             )
-        self.draft, self.target, self.settings, self.lookahead = draft, target, settings, lookahead
+        self.draft, self.target, self.settings = draft, target, settings
+        self.draft_tokens = draft_tokens  # tokens the draft proposes in the first round (then adaptive)
 
     def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
         """Sample the answer token by token with draft proposals verified by the target."""
@@ -45,7 +46,7 @@ class TokenSpecDecoder:
             self.target.model,
             ids,
             s.max_new_tokens,
-            self.lookahead,
+            self.draft_tokens,
             s.temperature,
             torch.Generator().manual_seed(s.seed),
             self.target.eos_ids,
@@ -189,33 +190,54 @@ def _first_eos(out: list[int], eos_ids: set[int]) -> list[int]:
     return out
 
 
+def _check_arguments(
+    prompt_ids: list[int], max_new_tokens: int, draft_tokens: int, max_draft_tokens: int, temperature: float
+) -> None:
+    """ValueError unless ``speculative_sample`` can run with these arguments."""
+    if draft_tokens < 1 or max_new_tokens < 1 or temperature < 0 or max_draft_tokens < draft_tokens:
+        raise ValueError(
+            "draft_tokens, max_new_tokens >= 1, max_draft_tokens >= draft_tokens and temperature >= 0"
+        )
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+
+
+def _keep_accepted(tcache: DynamicCache, dcache: DynamicCache, rejected: int, d_len: int, keep: int) -> int:
+    """Crop the ``rejected`` proposals off the target's cache and the draft's cache (``d_len`` positions)
+    back to ``keep`` positions at most; returns the draft cache's length."""
+    if rejected:
+        tcache.crop(-rejected)  # target cache: committed + the accepted proposals
+    if d_len > keep:
+        dcache.crop(-(d_len - keep))
+        d_len = keep
+    return d_len
+
+
 @torch.inference_mode()
 def speculative_sample(
     draft_model,
     target_model,
     prompt_ids: list[int],
     max_new_tokens: int,
-    lookahead: int = 4,
+    draft_tokens: int = 4,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     eos_ids: set[int] | None = None,
     adaptive: bool = True,
-    max_lookahead: int = 16,
+    max_draft_tokens: int = 16,
 ) -> tuple[list[int], dict[str, int]]:
     """Token-level speculative sampling (Leviathan et al. 2023) for two models sharing a vocabulary.
 
     The output is distributed exactly as sampling from the target at ``temperature``; with
     ``temperature == 0`` it is the target's greedy output, token for token (a proposal is kept when it is
     the target's argmax). One target forward per round: the token the last round added (correction or
-    bonus) is fed together with the next proposals. With ``adaptive`` the lookahead follows transformers'
-    heuristic schedule (+2 after a fully accepted round, -1 otherwise, within 1..``max_lookahead``); it
+    bonus) is fed together with the next proposals. The draft proposes ``draft_tokens`` per round; with
+    ``adaptive`` that number follows transformers' heuristic schedule (+2 after a fully accepted round, -1
+    otherwise, within 1..``max_draft_tokens``, as its ``num_assistant_tokens``); it
     depends only on past rounds, so the output distribution stays exact. Returns the new ids and counts
     (proposed, accepted, target forward passes).
     """
-    if lookahead < 1 or max_new_tokens < 1 or temperature < 0 or max_lookahead < lookahead:
-        raise ValueError("lookahead, max_new_tokens >= 1, max_lookahead >= lookahead and temperature >= 0")
-    if not prompt_ids:
-        raise ValueError("prompt_ids must not be empty")
+    _check_arguments(prompt_ids, max_new_tokens, draft_tokens, max_draft_tokens, temperature)
     sampler = _TokenSampler(temperature, generator or torch.Generator().manual_seed(0))
     eos_ids = eos_ids or set()
     # invariant: the target cache holds committed[:-1]; the draft cache holds committed[:d_len]
@@ -226,7 +248,7 @@ def speculative_sample(
         _logits(target_model, committed[:-1], tcache)
     d_len = 0
     stats = {"proposed": 0, "accepted": 0, "target_passes": 0}
-    k_next = lookahead
+    k_next = draft_tokens
     while len(committed) - n_prompt < max_new_tokens:
         base = len(committed)
         # 1. the draft catches up on the committed tokens and proposes up to k
@@ -240,13 +262,9 @@ def speculative_sample(
         stats["proposed"] += k
         stats["accepted"] += n_ok
         if adaptive:
-            k_next = min(max_lookahead, k_next + 2) if n_ok == k else max(1, k_next - 1)
+            k_next = min(max_draft_tokens, k_next + 2) if n_ok == k else max(1, k_next - 1)
         # 3. keep the accepted prefix in both caches; `new` is fed with the next round
-        if k - n_ok:
-            tcache.crop(-(k - n_ok))  # target cache: committed + x_0 .. x_{n_ok-1}
-        if d_len > base + n_ok:
-            dcache.crop(-(d_len - base - n_ok))
-            d_len = base + n_ok
+        d_len = _keep_accepted(tcache, dcache, k - n_ok, d_len, base + n_ok)
         committed += xs[:n_ok]
         if any(t in eos_ids for t in xs[:n_ok]) or len(committed) - n_prompt >= max_new_tokens:
             break

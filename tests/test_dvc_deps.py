@@ -20,8 +20,11 @@ def module_file(name: str) -> Path | None:
     """The repository file of a project module (``semspec.tasks.io`` -> ``tasks/io.py``)."""
     for prefix, folder in PACKAGES.items():
         if name.startswith(prefix + "."):
-            path = ROOT / folder / (name.removeprefix(prefix + ".").replace(".", "/") + ".py")
-            return path if path.is_file() else None
+            stem = ROOT / folder / name.removeprefix(prefix + ".").replace(".", "/")
+            for path in (stem.with_name(stem.name + ".py"), stem / "__init__.py"):  # a module or a package
+                if path.is_file():
+                    return path
+            return None
     return None
 
 
@@ -53,6 +56,8 @@ def test_the_import_walk_follows_project_modules_only():
     files = project_imports("semspec.tasks.train")
     assert ROOT / "tasks/train.py" in files and ROOT / "models/probe.py" in files
     assert ROOT / "tasks/io.py" in files  # through a `from semspec.tasks.io import ...`
+    # a package's __init__ and, through it, its modules
+    assert ROOT / "models/lm/step_loop.py" in files and ROOT / "models/lm/__init__.py" in files
     assert all(f.is_relative_to(ROOT) for f in files)
 
 

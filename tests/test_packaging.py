@@ -56,7 +56,7 @@ def test_the_wheel_installs_the_semspec_namespace_only(wheel_venv, tmp_path):
         wheel_venv, "import semspec.models.lm, semspec.flows.cli; print(semspec.models.lm.__file__)", tmp_path
     )
     assert ok.returncode == 0, ok.stderr
-    assert "site-packages/semspec/models/lm.py" in ok.stdout
+    assert "site-packages/semspec/models/lm/__init__.py" in ok.stdout
     for generic in ("models", "tasks", "flows"):
         res = _run(wheel_venv, f"import {generic}", tmp_path)
         assert res.returncode != 0 and "No module named" in res.stderr, f"`import {generic}` worked"

@@ -72,7 +72,7 @@ def tiny_lm(
     **spec,
 ) -> LM:
     """An LM adapter over a tiny random Llama and a character tokenizer; ``boost`` and ``eos_bias`` make
-    the delimiter and EOS likelier; ``pooling`` is the pair's (see models/lm.py)."""
+    the delimiter and EOS likelier; ``pooling`` is the pair's (see models/lm/__init__.py)."""
     tok = char_tokenizer(merged)
     model = tiny_llama(len(tok), seed=seed, hidden=hidden, init=init)
     if boost or eos_bias:

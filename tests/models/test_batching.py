@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import semspec.models.lm.adapter as adapter
 from semspec.models.decoding import (
     DecodeSettings,
     SemanticSpecDecoder,
@@ -87,7 +88,7 @@ def test_forward_rows_equals_one_row_at_a_time():
 def test_sliding_window_rows_batch_or_fall_back_to_one_at_a_time(window):
     lm = tiny_gemma_lm(sliding_window=window)
     contexts = ["Q: a\nA:", "Q: something longer\nA:"]
-    alone = [lm.decode_step(lm.prefill(c), max_tokens=6) for c in contexts]
+    alone = [lm.decode_steps([StepStart(lm.prefill(c), 6)])[0] for c in contexts]
     together = lm.decode_steps([StepStart(lm.prefill(c), 6) for c in contexts])
     for (a, a_state), (b, b_state) in zip(alone, together, strict=True):
         assert a.token_ids == b.token_ids and a_state.ids == b_state.ids
@@ -126,14 +127,14 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
     rounds, loops = [], []
     real = decoder._advance
     decoder._advance = lambda rows: (rounds.append(len(rows)), real(rows))[1]
-    real_loop = LM._sample_rows
+    real_loop = adapter.sample_rows
 
     def spy(self, starts, *args):
         runs = real_loop(self, starts, *args)
         loops.append([len(r.samples) for r in runs])
         return runs
 
-    monkeypatch.setattr(LM, "_sample_rows", spy)
+    monkeypatch.setattr(adapter, "sample_rows", spy)
     seen = []
     batched = decoder.decode_batch(QUESTIONS, batch_size=4, on_result=lambda i, r: seen.append(i))
     del decoder._advance
@@ -199,9 +200,9 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
     # steps of 1 to 8 tokens: rows finish theirs far apart, so lookahead steps are often cut short
     draft = tiny_lm(merged=True, seed=0, boost=0.5, eos_bias=0.5, init=0.2, max_step_tokens=8)
     q, p = {"mixed": (1.0, 0.5), "always-accept": (0.1, 1.0)}[probes]
-    dropped, invalid, real, real_valid = [], [], LM._sample_rows, SemanticSpecDecoder._valid
+    dropped, invalid, real, real_valid = [], [], adapter.sample_rows, SemanticSpecDecoder._valid
     monkeypatch.setattr(
-        LM, "_sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
+        adapter, "sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
     )
     resumed = _count_resumed(monkeypatch)
     monkeypatch.setattr(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder, SingleModelDecoder, SpecReasonDecoder
+from semspec.models.lm import StepStart
 from tests.helpers.tiny import tiny_lm
 
 Q = "What is 2 + 3?"
@@ -67,7 +68,7 @@ def test_mixed_decisions_keep_both_caches_consistent(pair):
             continue
         state = target.prefill(prompt + "".join(x.text for x in res.steps[:i]))
         budget = min(8, 60 - sum(x.target_tokens for x in res.steps[:i]))
-        fresh, _ = target.decode_step(state, 0.0, 1.0, budget)
+        ((fresh, _),) = target.decode_steps([StepStart(state, budget)], 0.0, 1.0)
         assert fresh.text == s.text, f"step {i}: cached decoding diverged from a fresh prefill"
     assert (
         res.timings.total

@@ -210,7 +210,7 @@ def test_every_decoder_runs_on_int8_models():
         SingleModelDecoder(draft, settings, "draft"),
         SemanticSpecDecoder(draft, target, sure, never, settings),
         SpecReasonDecoder(draft, target, settings),
-        TokenSpecDecoder(draft, target, settings, lookahead=3),
+        TokenSpecDecoder(draft, target, settings, draft_tokens=3),
         AssistedDecoder(draft, target, settings),
     ]
     for dec in decoders:

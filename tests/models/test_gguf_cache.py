@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-import semspec.models.lm as lm_module
+import semspec.models.lm.loading as loading
 from semspec.models.lm import load_lm
 from semspec.models.pair import ModelSpec
 from tests.helpers.tiny import char_tokenizer, tiny_llama
@@ -34,7 +34,7 @@ def gguf(tmp_path, monkeypatch):
         tok = char_tokenizer()
         return tok, tiny_llama(len(tok), seed=len(calls)).to(dtype)
 
-    monkeypatch.setattr(lm_module, "_load_pretrained", convert)
+    monkeypatch.setattr(loading, "_load_pretrained", convert)
     spec = ModelSpec(
         model_id="org/m:Q4", source="local", path=str(folder), gguf_file="m.gguf", dtype="bfloat16"
     )

@@ -76,7 +76,12 @@ def test_speculative_sampling_matches_the_target_distribution(models):
     samples, accepted = [], 0
     for i in range(n):
         out, stats = speculative_sample(
-            draft, target, PROMPT, max_new_tokens=2, lookahead=2, generator=torch.Generator().manual_seed(i)
+            draft,
+            target,
+            PROMPT,
+            max_new_tokens=2,
+            draft_tokens=2,
+            generator=torch.Generator().manual_seed(i),
         )
         assert len(out) == 2
         samples.append(out)
@@ -96,8 +101,8 @@ def test_speculative_sampling_matches_the_target_distribution(models):
 def test_speculative_sampling_arguments(models):
     draft, target = models
     with pytest.raises(ValueError):
-        speculative_sample(draft, target, PROMPT, max_new_tokens=2, lookahead=0)
-    out, stats = speculative_sample(draft, target, PROMPT, max_new_tokens=7, lookahead=3)
+        speculative_sample(draft, target, PROMPT, max_new_tokens=2, draft_tokens=0)
+    out, stats = speculative_sample(draft, target, PROMPT, max_new_tokens=7, draft_tokens=3)
     assert len(out) == 7 and stats["target_passes"] >= 3
 
 
@@ -115,7 +120,7 @@ def test_greedy_speculation_is_the_target_token_for_token():
     settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0)
     for question in ("What is 2 + 3?", "Name a colour."):
         ref = SingleModelDecoder(target, settings, "target").decode(question)
-        res = TokenSpecDecoder(draft, target, settings, lookahead=3).decode(question)
+        res = TokenSpecDecoder(draft, target, settings, draft_tokens=3).decode(question)
         assert res.method == "specsampling"
         assert res.text == ref.text and res.output_tokens == ref.output_tokens
         assert 0 < res.extra["accepted"] < res.extra["proposed"], "needs accepted and rejected proposals"

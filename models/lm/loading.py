@@ -1,0 +1,187 @@
+"""Loading an ``LM`` from a spec (Hub id, local folder or packaged GGUF) in the format its ``dtype``
+resolves to here, and the cache of GGUF files converted to the Hugging Face format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from huggingface_hub import try_to_load_from_cache
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+
+from semspec.models.formats import quantize_model, resolve_format
+from semspec.models.lm.adapter import LM, dtype_name
+from semspec.models.pair import ModelSpec
+from semspec.models.weights import (
+    converted_cache_path,
+    converted_enabled,
+    converted_key,
+    resolve_spec,
+    stale_converted,
+)
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class _NotShardedNoise(logging.Filter):
+    """transformers 5 checks a model's tensor-parallel plan at every load and warns that its layers "were
+    not sharded", although nothing here shards a model: that line is dropped, every other one kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "were not sharded" not in record.getMessage()
+
+
+_TP_LOGGER = "transformers.distributed.tensor_parallel"
+
+
+_SOURCE = "semspec-source.json"  # in a converted copy: the key of the GGUF file it was made from
+
+
+def _gguf_path(where: str, gguf_file: str) -> Path | None:
+    """The GGUF file on disk: in a folder, or in the local Hub cache (None when not downloaded yet)."""
+    local = Path(where) / gguf_file
+    if local.is_file():
+        return local
+    cached = try_to_load_from_cache(where, gguf_file)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _converted_folder(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple[Path, dict] | None:
+    """(folder, key) of the converted copy of ``spec``'s GGUF file in ``dtype``, or None without one
+    (cache off, or the file not on disk yet)."""
+    if not (spec.gguf_file and converted_enabled()):
+        return None
+    path = _gguf_path(where, spec.gguf_file)
+    if path is None:
+        return None
+    verified = spec.sha256 if spec.source != "hub" else None  # resolve_spec checked it (not a Hub file)
+    key = converted_key(path, dtype_name(dtype), verified, f"transformers=={transformers.__version__}")
+    return converted_cache_path(spec.model_id, key), key
+
+
+def _load_converted(folder: Path, key: dict, spec: ModelSpec, dtype: torch.dtype) -> tuple | None:
+    """(tokenizer, model) from a converted copy made for ``key``; None when there is none. A copy that does
+    not load (cut by a full disk, edited) is deleted, so the caller converts the GGUF file again."""
+    if not (folder / _SOURCE).is_file():
+        return None
+    try:
+        if json.loads((folder / _SOURCE).read_text()) != key:
+            raise ValueError("it was made from another file")
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        )
+    except (ValueError, RuntimeError, OSError, KeyError, SafetensorError) as e:
+        log.warning(
+            "%s: converted copy %s unusable (%s): deleting it, converting the GGUF file again",
+            spec.model_id,
+            folder,
+            e,
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    log.info("%s: loaded the converted copy of its GGUF file from %s", spec.model_id, folder)
+    return tokenizer, model
+
+
+def _save_converted(folder: Path, key: dict, tokenizer, model: PreTrainedModel) -> None:
+    """Keep ``model`` and ``tokenizer`` (just converted from GGUF) in ``folder``: written under a temporary
+    name and renamed when complete, so a crash or a full disk never leaves a half copy that looks whole.
+    Older copies of the same model and dtype are removed. A failure only costs the next load its speed."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _SOURCE).write_text(json.dumps(key))
+        for old in stale_converted(folder):
+            shutil.rmtree(old, ignore_errors=True)
+        if not folder.exists():  # another process may have kept the same copy meanwhile
+            os.rename(tmp, folder)
+        log.info("kept the converted GGUF model in %s (SEMSPEC_GGUF_CACHE=0 turns this off)", folder)
+    except OSError as e:
+        log.warning(
+            "could not keep a converted copy in %s (%s): the next load converts the GGUF file again",
+            folder,
+            e,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_lm(spec: ModelSpec) -> LM:
+    """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF), in the
+    format its ``dtype`` resolves to on this machine (``semspec.models.formats``).
+
+    A GGUF model is converted (dequantized to the format's load dtype) once and kept in the cache in the
+    Hugging Face format, keyed by the file and the dtype: later loads read that copy, bit for bit the same
+    model, in seconds instead of re-parsing the GGUF file (about a minute for the embedded target here).
+    The int formats quantize the loaded linear layers (seconds; logged)."""
+    t0 = time.perf_counter()
+    tp_log = logging.getLogger(_TP_LOGGER)
+    if not any(isinstance(f, _NotShardedNoise) for f in tp_log.filters):
+        tp_log.addFilter(_NotShardedNoise())
+    fmt = resolve_format(spec.dtype, spec.device)
+    where = resolve_spec(spec)
+    converted = _converted_folder(spec, where, fmt.load_dtype)
+    loaded = _load_converted(*converted, spec, fmt.load_dtype) if converted else None
+    if loaded is None:
+        loaded = _load_pretrained(spec, where, fmt.load_dtype)
+        converted = converted or _converted_folder(spec, where, fmt.load_dtype)  # a Hub GGUF is on disk now
+        if converted:
+            _save_converted(*converted, *loaded)
+    tokenizer, model = loaded
+    model.to(pick_device(spec.device))
+    if fmt.quantized:
+        tq = time.perf_counter()
+        n = quantize_model(model, fmt)
+        log.info(
+            "%s: %d linear layers quantized to %s in %.1f s",
+            spec.model_id,
+            n,
+            fmt.name,
+            time.perf_counter() - tq,
+        )
+    lm = LM(model, tokenizer, spec, fmt)
+    lm.load_seconds = time.perf_counter() - t0
+    log.info("%s runs in %s", spec.model_id, fmt.describe())
+    return lm
+
+
+def _load_pretrained(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple:
+    """(tokenizer, model) by ``from_pretrained`` from ``where`` (a Hub id or a folder, with the GGUF file)."""
+    kw: dict = {"trust_remote_code": spec.trust_remote_code}
+    if spec.gguf_file:
+        kw["gguf_file"] = spec.gguf_file
+    log.info("loading %s from %s", spec.model_id, where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+        # GGUF weights are unpacked into dense ``dtype`` tensors: said explicitly, so transformers does not
+        # warn that packed weights would run in float32 (they are not kept packed for these architectures,
+        # nor without `kernels`); the int formats quantize them again afterwards (``quantize_model``)
+        extra = {"quantization_config": GgufConfig(dequantize=True)} if spec.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw, **extra)
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
+        if not spec.gguf_file:
+            raise
+        # a cut GGUF file surfaces as a reshape or read error deep in the converter: name the file
+        path = Path(where) / spec.gguf_file
+        raise ValueError(
+            f"{spec.model_id}: cannot read the GGUF file {path} ({type(e).__name__}: {e}); it is probably "
+            f"truncated or corrupt: pin its sha256 in the pair file to have it checked, or reinstall the "
+            f"package that provides it"
+        ) from e
+    return tokenizer, model
