@@ -7,7 +7,8 @@ Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<pro
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
-``eval/<pair>-<profile>/<examples>/``. A step already done is skipped when run again. Prints the learning
+``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
+and shared). A step already done is skipped when run again. Prints the learning
 curve and both evaluations' tables. Each model's format is in the tables' notes. ``--set`` overrides
 params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
 keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
@@ -79,7 +80,9 @@ def main() -> None:
     if a.skip_eval:
         return
     evals = Path("eval") / run
-    for examples in EXAMPLES:
+    for n, examples in enumerate(EXAMPLES):
+        if n:
+            share_baselines(evals / EXAMPLES[0], evals / examples)
         semspec(
             "evaluate", *common,
             "--probes", str(data / f"probes-{examples}-1"),
@@ -89,6 +92,19 @@ def main() -> None:
     table = {examples: evidence(evals / examples) for examples in EXAMPLES}
     print_evidence(table, json.loads((evals / EXAMPLES[0] / "metrics.json").read_text())["_models"])
     plot_evidence(table, reports / "pass_vs_latency.png")
+
+
+BASELINES = ("target", "draft")  # methods that read no probe: the same rows whichever probe set is evaluated
+
+
+def share_baselines(done: Path, todo: Path) -> None:
+    """Copy the probe-free methods' rows of one evaluation into the next (where it has none yet), so they
+    are decoded once: the evaluation resumes rows with its own run key and decodes again any other."""
+    for path in done.glob("*/*.jsonl"):
+        dest = todo / path.parent.name / path.name
+        if path.stem in BASELINES and not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(path.read_bytes())
 
 
 def print_curve(curve: dict) -> None:

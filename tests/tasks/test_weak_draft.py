@@ -1,0 +1,34 @@
+"""benchmarks/weak_draft.py: the probe-free methods' rows are decoded once and shared between the two probe
+sets' evaluations, and the shared rows are what the evaluation resumes (same run key)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.weak_draft import share_baselines
+from semspec.tasks.config import load_params
+from semspec.tasks.eval_runs import resume_rows, run_key
+from tests.helpers.pipeline import write_tiny_pair
+
+
+def _rows(path, label, key, n=2):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(
+            json.dumps({"question_id": f"q{i}", "method": label, "run_key": key}) + "\n" for i in range(n)
+        )
+    )
+
+
+def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
+    cfg, pair = load_params(profile="tiny").evaluate, write_tiny_pair(tmp_path)
+    done, todo = tmp_path / "own", tmp_path / "both"
+    for label in ("target", "draft", "semanticspec-all"):
+        _rows(done / "arith" / f"{label}.jsonl", label, run_key(cfg, pair, label, None))
+    _rows(todo / "arith" / "draft.jsonl", "draft", "its own", n=1)  # already there: left as it is
+    share_baselines(done, todo)
+    assert sorted(p.name for p in (todo / "arith").iterdir()) == ["draft.jsonl", "target.jsonl"]
+    assert len((todo / "arith" / "draft.jsonl").read_text().splitlines()) == 1
+    # the evaluation of the next probe set keeps the copied rows: its target rows have the same key
+    key = run_key(cfg, pair, "target", None)
+    assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
