@@ -155,11 +155,12 @@ def _logits(model, ids: list[int], cache: DynamicCache, keep: int = 1) -> torch.
 
 
 def _draft_tokens(
-    draft_model, pending: list[int], cache: DynamicCache, k: int, sampler: _TokenSampler, eos_ids: set[int]
+    draft_model, unread: list[int], cache: DynamicCache, k: int, sampler: _TokenSampler, eos_ids: set[int]
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """The draft reads ``pending`` and proposes up to ``k`` tokens (stopping at EOS); returns them with
-    the distribution each was drawn from. The last proposal is not fed to the draft."""
-    logits = _logits(draft_model, pending, cache)[-1]  # (V,)
+    """The draft reads ``unread`` (committed tokens not in its cache yet) and proposes up to ``k`` tokens
+    (stopping at EOS); returns them with the distribution each was drawn from. The last proposal is not fed
+    to the draft."""
+    logits = _logits(draft_model, unread, cache)[-1]  # (V,)
     xs, qs = [], []
     for i in range(k):
         q = sampler.probs(logits)

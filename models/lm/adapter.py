@@ -397,7 +397,7 @@ class LM:
     def _close_pooling(self, samples: list[StepSample], caches: list[Cache]) -> None:
         """``tokens`` pooling of steps whose last token no loop fed: feed it after each row's cache (which
         holds everything but that token; extended here) in one padded forward, and pool its output."""
-        owed = [b for b, s in enumerate(samples) if s.pending is not None]
+        owed = [b for b, s in enumerate(samples) if s.owed is not None]
         if not owed:
             return
         fed = self.forward_rows([caches[b] for b in owed], [[samples[b].token_ids[-1]] for b in owed])

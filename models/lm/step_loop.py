@@ -182,7 +182,7 @@ def sample_rows(
     the loop (or, when they cannot be, rows run one after another); each row gets back its own cache
     holding its context, prefix and sampled tokens but the last. Pooled states cover the positions
     predicting each step's newly sampled tokens, or with ``tokens`` pooling those tokens' own (a step
-    that ends the loop owes its last one: ``StepSample.pending``)."""
+    that ends the loop owes its last one: ``StepSample.owed``)."""
     if not starts:
         return []
     if len(starts) > 1 and not _can_stack(lm, starts, min_steps):

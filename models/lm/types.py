@@ -97,7 +97,7 @@ class StepSample:
     pooled: Pooled
     logprob: float  # sum of the sampled tokens' log-probabilities (after temperature / top-p)
     # ``tokens`` pooling still owed the output at the last token: (sum over the others (L+1, D), count)
-    pending: tuple[torch.Tensor, int] | None = field(default=None, repr=False, compare=False)
+    owed: tuple[torch.Tensor, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -106,9 +106,9 @@ class StepSample:
 
     def close_pooling(self, last_hidden: torch.Tensor) -> None:
         """``tokens`` pooling: add the output at the step's last token, ``(L+1, D)``, once it was fed."""
-        if self.pending is not None:
-            rest, count = self.pending
-            self.pooled, self.pending = Pooled((rest + last_hidden) / count), None
+        if self.owed is not None:
+            rest, count = self.owed
+            self.pooled, self.owed = Pooled((rest + last_hidden) / count), None
 
 
 def pool_tokens(sample: StepSample, rest: torch.Tensor, count: int) -> None:
@@ -119,7 +119,7 @@ def pool_tokens(sample: StepSample, rest: torch.Tensor, count: int) -> None:
         if count > 1:
             sample.pooled = Pooled(rest / (count - 1))
         return
-    sample.pending = (rest, count)
+    sample.owed = (rest, count)
 
 
 NextBudget = Callable[[int, list[StepSample]], int | None]

@@ -111,7 +111,7 @@ def test_each_pooling_averages_the_positions_it_names(reason):
             for x in samples
             if x.finish_reason == reason and x.num_tokens >= 3 and not special & set(x.token_ids)
         )
-        assert s.pending is None
+        assert s.owed is None
         m = len(lm.encode(ctx))
         ids = torch.tensor([lm.encode(ctx) + s.token_ids])
         with torch.no_grad():
