@@ -1,6 +1,6 @@
 """The weak-draft evidence: can probes trained on both models' steps make SemanticSpec correct a weak draft?
 
-    python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval]
+    python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
                                     [--set section.key=value ... --name NAME]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
@@ -8,7 +8,8 @@ cross, cluster: each resumes after a crash), trains the probes with ``train.exam
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
-and shared). A step already done is skipped when run again. Prints the learning
+and shared). A step already done is skipped when run again; ``--eval-only`` goes straight to the
+evaluations (they need the registered probes, not the samples). Prints the learning
 curve and both evaluations' tables. Each model's format is in the tables' notes. ``--set`` overrides
 params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
 keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
@@ -40,6 +41,11 @@ def main() -> None:
     ap.add_argument("--profile", default="weakdraft")
     ap.add_argument("--skip-eval", action="store_true", help="stop after the learning curve")
     ap.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate the probe sets this run trained and registered (their samples are not needed)",
+    )
+    ap.add_argument(
         "--set", action="append", default=[], dest="sets", help="a param override, section.key=value"
     )
     ap.add_argument("--name", default="", help="suffix of the output folders (required with --set)")
@@ -49,6 +55,15 @@ def main() -> None:
     common = ["--pair", a.pair, "--profile", a.profile, *(x for o in a.sets for x in ("--set", o))]
     run = "-".join(filter(None, (a.pair, a.profile, a.name)))
     data, reports = Path("data") / run, Path("reports") / run
+    if not a.eval_only:
+        probe_pipeline(common, data, reports)
+    if not a.skip_eval:
+        evaluate(common, data, reports, Path("eval") / run)
+
+
+def probe_pipeline(common: list[str], data: Path, reports: Path) -> None:
+    """ingest, sample, cross and cluster (each resumes), then the probes of both ``train.examples``
+    settings on each share of the training questions; prints the learning curve of the routing metrics."""
     prefixes, samples, cross, labels = (
         data / "prefixes.parquet",
         data / "samples",
@@ -77,9 +92,11 @@ def main() -> None:
                 )  # fmt: skip
             curve[examples, frac] = json.loads(metrics.read_text()).get("_routing", {})
     print_curve(curve)
-    if a.skip_eval:
-        return
-    evals = Path("eval") / run
+
+
+def evaluate(common: list[str], data: Path, reports: Path, evals: Path) -> None:
+    """Each probe set (the 100% runs) evaluated with the profile's settings (resumes per problem); prints
+    the evidence table and plots pass@1 against machine time."""
     for n, examples in enumerate(EXAMPLES):
         if n:
             share_baselines(evals / EXAMPLES[0], evals / examples)
