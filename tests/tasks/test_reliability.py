@@ -159,6 +159,23 @@ def test_a_terminated_stage_stops_its_ray_processes(tmp_path, observed):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _child_running(parent, marker: str, timeout: float):
+    """The first child of ``parent`` whose command line contains ``marker``, waited for (a child just
+    forked still shows its parent's command line until it execs)."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for child in parent.children():
+            try:
+                if marker in " ".join(child.cmdline()):
+                    return child
+            except psutil.Error:  # gone or not readable yet
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no child process running {marker!r} within {timeout} s")
+
+
 def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path, observed):
     """SIGKILL to a stage the flow runs (``stream_process``): the stage cannot clean up, so the flow stops
     what it left in its process group; no Ray process survives."""
@@ -172,10 +189,7 @@ def test_a_killed_stage_run_by_the_flow_leaves_no_ray_process(tmp_path, observed
     lines, rc = [], []
     runner = threading.Thread(target=lambda: rc.append(stream_process(cmd, ROOT, env, lines.append)))
     runner.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and not (me := psutil.Process().children()):
-        time.sleep(0.05)
-    stage = next(p for p in me if "semspec.flows.cli" in " ".join(p.cmdline()))
+    stage = _child_running(psutil.Process(), "semspec.flows.cli", timeout=60)
     ray_procs = _ray_children_once_working(stage.pid, tmp_path / "samples" / "draft")
     t0 = time.perf_counter()
     stage.send_signal(signal.SIGKILL)
