@@ -30,3 +30,26 @@ def test_figures_are_written_whole(tmp_path):
     plt.close(fig)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_the_code_hash_of_a_package_covers_every_module_in_it(tmp_path, monkeypatch):
+    """Shards record the md5 of the code that made them: a change in any module of a package (the LM's
+    step loop, say) must change it, not only one in the package's __init__."""
+    import importlib
+    import sys
+
+    from semspec.tasks.io import source_md5
+
+    pkg = tmp_path / "somepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from somepkg.loop import step\n")
+    (pkg / "loop.py").write_text("def step():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("somepkg")
+    before = source_md5(module)
+    (pkg / "loop.py").write_text("def step():\n    return 2\n")
+    assert source_md5(module) != before
+    (pkg / "loop.py").write_text("def step():\n    return 1\n")
+    assert source_md5(module) == before
+    for name in ("somepkg", "somepkg.loop"):
+        sys.modules.pop(name, None)
