@@ -115,13 +115,29 @@ BASELINES = ("target", "draft")  # methods that read no probe: the same rows whi
 
 
 def share_baselines(done: Path, todo: Path) -> None:
-    """Copy the probe-free methods' rows of one evaluation into the next (where it has none yet), so they
-    are decoded once: the evaluation resumes rows with its own run key and decodes again any other."""
+    """Append the probe-free methods' rows of one evaluation that the next lacks (by problem, seed and run
+    key) to the next's files, so they are decoded once: the evaluation resumes rows with its own run key and
+    decodes again any other."""
     for path in done.glob("*/*.jsonl"):
+        if path.stem not in BASELINES:
+            continue
         dest = todo / path.parent.name / path.name
-        if path.stem in BASELINES and not dest.exists():
+        have = (
+            {_row_id(line) for line in dest.read_text(encoding="utf-8").splitlines()}
+            if dest.exists()
+            else set()
+        )
+        new = [line for line in path.read_text(encoding="utf-8").splitlines() if _row_id(line) not in have]
+        if new:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(path.read_bytes())
+            with open(dest, "a", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in new))
+
+
+def _row_id(line: str) -> tuple[Any, ...]:
+    """(problem, seed, run key) of a row of an evaluation's jsonl file."""
+    r = json.loads(line)
+    return r.get("question_id"), r.get("seed"), r.get("run_key")
 
 
 def print_curve(curve: dict) -> None:

@@ -25,10 +25,14 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
     done, todo = tmp_path / "own", tmp_path / "both"
     for label in ("target", "draft", "semanticspec-all"):
         _rows(done / "arith" / f"{label}.jsonl", label, run_key(cfg, pair, label, None))
-    _rows(todo / "arith" / "draft.jsonl", "draft", "its own", n=1)  # already there: left as it is
+    _rows(todo / "arith" / "draft.jsonl", "draft", run_key(cfg, pair, "draft", None), n=1)  # q0 there already
     share_baselines(done, todo)
     assert sorted(p.name for p in (todo / "arith").iterdir()) == ["draft.jsonl", "target.jsonl"]
-    assert len((todo / "arith" / "draft.jsonl").read_text().splitlines()) == 1
+    # the rows it lacked were appended, none twice; a second call adds nothing
+    ids = [json.loads(x)["question_id"] for x in (todo / "arith" / "draft.jsonl").read_text().splitlines()]
+    assert ids == ["q0", "q1"]
+    share_baselines(done, todo)
+    assert len((todo / "arith" / "draft.jsonl").read_text().splitlines()) == 2
     # the evaluation of the next probe set keeps the copied rows: its target rows have the same key
     key = run_key(cfg, pair, "target", None)
     assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
