@@ -146,12 +146,22 @@ def print_curve(curve: dict) -> None:
     print(
         f"{'examples':8s} {'train':>6s} {'variant':8s} {'true acc':>9s} {'false acc':>10s} {'AUROC':>7s} {'n':>5s}"
     )
+    oracle = None  # true shares in place of the probes: the same for every run, printed once
     for (examples, frac), routing in curve.items():
         for variant, m in routing.items():
-            print(
-                f"{examples:8s} {frac:6.0%} {variant:8s} {m['true_accept']:9.3f} {m['false_accept']:10.3f} "
-                f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d}"
-            )
+            if variant == "oracle":
+                oracle = m
+            else:
+                _curve_line(examples, f"{frac:6.0%}", variant, m)
+    if oracle:
+        _curve_line("(every", "run)", "oracle", oracle)
+
+
+def _curve_line(examples: str, train: str, variant: str, m: dict) -> None:
+    print(
+        f"{examples:8s} {train:>6s} {variant:8s} {m['true_accept']:9.3f} {m['false_accept']:10.3f} "
+        f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d}"
+    )
 
 
 def evidence(folder: Path) -> dict[str, dict[str, Any]]:

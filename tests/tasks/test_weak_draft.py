@@ -1,11 +1,12 @@
 """benchmarks/weak_draft.py: the probe-free methods' rows are decoded once and shared between the two probe
-sets' evaluations, and the shared rows are what the evaluation resumes (same run key)."""
+sets' evaluations, and the shared rows are what the evaluation resumes (same run key); the learning curve
+prints each run's variants and the oracle (the same in every run) once."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.weak_draft import share_baselines
+from benchmarks.weak_draft import print_curve, share_baselines
 from semspec.tasks.config import load_params
 from semspec.tasks.eval_runs import resume_rows, run_key
 from tests.helpers.pipeline import write_tiny_pair
@@ -36,3 +37,26 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
     # the evaluation of the next probe set keeps the copied rows: its target rows have the same key
     key = run_key(cfg, pair, "target", None)
     assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
+
+
+def test_the_learning_curve_prints_the_oracle_once(capsys):
+    def m(true_accept):
+        return {
+            "true_accept": true_accept,
+            "false_accept": 0.1,
+            "auroc": 0.5,
+            "n_shared": 1,
+            "n_not_shared": 2,
+        }
+
+    print_curve(
+        {(ex, frac): {"all": m(frac / 2), "oracle": m(0.5)} for ex in ("own", "both") for frac in (0.25, 1.0)}
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[1:-1]] == [
+        ["own", "25%", "all"],
+        ["own", "100%", "all"],
+        ["both", "25%", "all"],
+        ["both", "100%", "all"],
+    ]
+    assert lines[-1].split()[2:4] == ["oracle", "0.500"] and sum("oracle" in line for line in lines) == 1
