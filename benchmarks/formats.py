@@ -1,7 +1,7 @@
 """Numeric formats on the CPU at hand: what each costs per call, and what it changes in the answers.
 
     python benchmarks/formats.py layer                      # one linear layer of the 1.5B target, by rows
-    python benchmarks/formats.py speed [--pair qwen-coder] [--formats bfloat16 float32 int8 int4]
+    python benchmarks/formats.py speed [--pair qwen-coder] [--formats bfloat16 float32 int8 int8-torch int4]
     python benchmarks/formats.py quality [--pair qwen-coder] [--n 40] [--formats bfloat16 int8]
 
 ``speed`` loads each model of the pair in each format (``semspec.models.lm.load_lm``, the product's own
@@ -13,18 +13,23 @@ the output head included; embeddings are gathered, not read) over the read bandw
 evaluation's batching) and prints pass@1 with its 95% interval, the paired difference to the first
 format, and token agreement with it (the share of its output tokens each problem shares as a prefix,
 and the problems with the same output). The CPU's capability and each model's format are printed beside
-every figure.
+every figure. ``int8-torch`` is int8 with decoding calls through PyTorch's ``_weight_int8pack_mm`` instead
+of semspec's kernel (``models/int8_kernel.py``), to compare the two in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
+from semspec.models import int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
 from semspec.models.grading import grade
@@ -59,6 +64,36 @@ def decode_bytes(model: torch.nn.Module) -> int:
         elif isinstance(mod, torch.nn.Linear):
             total += mod.weight.numel() * mod.weight.element_size()
     return total
+
+
+@contextlib.contextmanager
+def torch_int8_op(on: bool = True) -> Iterator[None]:
+    """int8 decoding calls through PyTorch's op, not semspec's kernel, while inside (when ``on``)."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("SEMSPEC_INT8_KERNEL")
+    os.environ["SEMSPEC_INT8_KERNEL"] = "0"
+    int8_kernel.int8_mm.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SEMSPEC_INT8_KERNEL")
+        else:
+            os.environ["SEMSPEC_INT8_KERNEL"] = old
+        int8_kernel.int8_mm.cache_clear()
+
+
+def _split(fmt: str) -> tuple[str, bool]:
+    """``int8-torch`` -> (``int8``, True): the format, and whether PyTorch's int8 op decodes."""
+    return fmt.removesuffix("-torch"), fmt.endswith("-torch")
+
+
+def _kernel(fmt_name: str, torch_op: bool) -> str:
+    if fmt_name != "int8":
+        return ""
+    return " [torch op]" if torch_op or int8_kernel.int8_mm() is None else " [semspec kernel]"
 
 
 def _best(fn, reps: int = 3) -> float:
@@ -105,17 +140,20 @@ def speed(a: argparse.Namespace) -> None:
     bw = bandwidth_gbs()
     print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}, read bandwidth {bw:.1f} GB/s")
     print(
-        f"{'model':42s} {'format':30s} {'decode 1 row':>13s} {'fwd 8 rows':>11s} {'step prefill':>13s}"
+        f"{'model':42s} {'format':47s} {'decode 1 row':>13s} {'fwd 8 rows':>11s} {'step prefill':>13s}"
         f" {'prompt':>9s} {'floor':>7s} {'x floor':>7s}"
     )
     pair = load_pair(a.pair)
     for role in ("draft", "target"):
         for fmt in a.formats:
-            lm = load_lm(dataclasses.replace(pair.role(role), dtype=fmt))
-            c = costs(lm)
+            name, torch_op = _split(fmt)
+            lm = load_lm(dataclasses.replace(pair.role(role), dtype=name))
+            with torch_int8_op(torch_op):
+                c = costs(lm)
+                label = lm.dtype_name + _kernel(name, torch_op)
             floor = decode_bytes(lm.model) / 1e9 / bw * 1000
             print(
-                f"{lm.model_id[:42]:42s} {lm.dtype_name[:30]:30s} {c['decode']:8.1f} ms/t {c['decode8']:8.1f} ms"
+                f"{lm.model_id[:42]:42s} {label[:47]:47s} {c['decode']:8.1f} ms/t {c['decode8']:8.1f} ms"
                 f" {c['step']:8.2f} ms/t {c['prompt']:6.0f} ms {floor:5.1f} ms {c['decode'] / floor:6.2f}x",
                 flush=True,
             )
@@ -132,8 +170,11 @@ def layer(a: argparse.Namespace) -> None:
     dense = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
     fp32 = [torch.nn.Linear(k, n, bias=False) for _ in range(copies // 2)]
     quant = {name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")}
-    print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer")
-    print(f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s}")
+    print(
+        f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer;"
+        f" int8:{_kernel('int8', False)} up to {int8_kernel.MAX_ROWS} rows"
+    )
+    print(f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s} {'int8, torch op':>15s}")
     with torch.inference_mode():
         for m in a.rows:
             x = torch.randn(m, k)
@@ -141,6 +182,8 @@ def layer(a: argparse.Namespace) -> None:
             cells = [_best(lambda x=x: [f(x) for f in fp32]) / len(fp32)]
             cells.append(_best(lambda xb=xb: [f(xb) for f in dense]) / copies)
             cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
+            with torch_int8_op():
+                cells.append(_best(lambda xb=xb: [f(xb) for f in quant["int8"]]) / copies)
             print(f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells), flush=True)
 
 
@@ -153,18 +196,21 @@ def quality(a: argparse.Namespace) -> None:
     )
     outs: dict[str, list] = {}
     for fmt in a.formats:
-        lm = load_lm(dataclasses.replace(pair.target, dtype=fmt))
+        name, torch_op = _split(fmt)
+        lm = load_lm(dataclasses.replace(pair.target, dtype=name))
         dec = build_decoder("target", pair, {"target": lm}, settings)
-        t0 = time.perf_counter()
-        res = dec.decode_batch([p.question for p in problems], a.batch)
-        wall = time.perf_counter() - t0
+        with torch_int8_op(torch_op):
+            t0 = time.perf_counter()
+            res = dec.decode_batch([p.question for p in problems], a.batch)
+            wall = time.perf_counter() - t0
+            label = lm.dtype_name + _kernel(name, torch_op)
         grades = [grade("arith", p.answer, r.text)[1] for p, r in zip(problems, res, strict=True)]
         ids = [lm.tokenizer(r.text, add_special_tokens=False)["input_ids"] for r in res]
-        outs[fmt] = [lm.dtype_name, grades, ids, wall]
+        outs[fmt] = [label, grades, ids, wall]
         del lm, dec
     _, base_grades, base_ids, _ = outs[a.formats[0]]
     print(
-        f"{'format':30s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}"
+        f"{'format':47s} {'pass@1':>7s} {'95% CI':>14s} {'vs ' + a.formats[0]:>18s} {'token agreement':>16s} {'same output':>12s} {'wall s':>7s}"
     )
     for label, grades, ids, wall in outs.values():
         stats = bootstrap_pass(grades, base_grades)
@@ -173,7 +219,7 @@ def quality(a: argparse.Namespace) -> None:
         lo, hi = stats["pass@1_ci95"]
         dlo, dhi = stats["delta_vs_target_ci95"]
         print(
-            f"{label[:30]:30s} {statistics.mean(grades):7.3f}  [{lo:.2f}, {hi:.2f}]  {stats['delta_vs_target']:+.3f} [{dlo:+.2f}, {dhi:+.2f}]"
+            f"{label[:47]:47s} {statistics.mean(grades):7.3f}  [{lo:.2f}, {hi:.2f}]  {stats['delta_vs_target']:+.3f} [{dlo:+.2f}, {dhi:+.2f}]"
             f" {statistics.mean(agree):16.3f} {same:6d}/{len(ids)} {wall:7.0f}",
             flush=True,
         )
@@ -194,7 +240,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("speed")
     s.add_argument("--pair", default="qwen-coder")
-    s.add_argument("--formats", nargs="+", default=["bfloat16", "float32", "int8", "int4"])
+    s.add_argument("--formats", nargs="+", default=["bfloat16", "float32", "int8", "int8-torch", "int4"])
     la = sub.add_parser("layer")
     la.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 48, 384])
     q = sub.add_parser("quality")
@@ -205,7 +251,7 @@ def main() -> None:
     q.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
     a = ap.parse_args()
     if getattr(a, "formats", None):
-        bad = [f for f in a.formats if f not in (*DENSE_DTYPES, "int8", "int4", "auto")]
+        bad = [f for f in a.formats if f not in (*DENSE_DTYPES, "int8", "int8-torch", "int4", "auto")]
         if bad:
             ap.error(f"unknown format(s) {bad}")
     {"speed": speed, "layer": layer, "quality": quality}[a.what](a)

@@ -4,7 +4,8 @@ A model spec's ``dtype`` names a format:
 
 * ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
 * ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
-  activations, ``torch.ops.aten._weight_int8pack_mm``;
+  activations; decoding calls (up to ``int8_kernel.MAX_ROWS`` rows) through semspec's kernel
+  (``models/int8_kernel.py``, at the memory bandwidth), others through ``torch.ops.aten._weight_int8pack_mm``;
 * ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
   bfloat16 activations, ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 * ``auto``: the fastest correct format for the device (``resolve_format``, a documented rule).
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from semspec.models import int8_kernel
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +234,13 @@ class QuantLinear(nn.Module):
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
+            kernel = (
+                int8_kernel.int8_mm()
+                if x.shape[0] <= int8_kernel.MAX_ROWS and x.device.type == "cpu"
+                else None
+            )
+            if kernel is not None and x.dtype in (torch.bfloat16, torch.float32):
+                return kernel(x, self.qweight, self.scales)  # (M, N), decoding at the memory bandwidth
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)  # (M, N)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from semspec.models import formats, steps
+from semspec.models import formats, int8_kernel, steps
 from semspec.models import lm as lm_module
 from semspec.models.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
@@ -196,7 +196,9 @@ def run_sample(
             "pair": pair.name,
             "model_id": spec.model_id,
             "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
-            "code_md5": source_md5(lm_module, formats, steps),  # and shards of other feature code
+            "code_md5": source_md5(
+                lm_module, formats, int8_kernel, steps
+            ),  # and shards of other feature code
             "spec": asdict(spec),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),

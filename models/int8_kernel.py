@@ -1,0 +1,197 @@
+"""A weight-only int8 matrix product for decoding (few rows), compiled once on the machine at hand.
+
+``y = (x @ q.T) * scale`` for x (M, K) in bfloat16 or float32, q (N, K) int8 and scale (N,) in x's dtype,
+the contract of ``torch.ops.aten._weight_int8pack_mm``. PyTorch's CPU kernel for that op converts each
+int8 weight to bfloat16 and is bound by that conversion, not by memory: measured on a 2-core AVX512 CPU
+it reads 21 GB/s of the ~30 the machine streams, and on a 2-core AVX2-only EPYC 3.6 GB/s of 18.4 (its
+vectorized path is AVX-512 only). Decoding one token reads every weight once, so that kernel sets the
+decode time. This one widens 8 int8 weights to float32 per AVX2 instruction and accumulates in float32
+with four independent chains per row, so one decode token runs at the memory bandwidth.
+
+It is built from the C++ source below with the system's C++ compiler (``$CXX``, else ``g++`` or ``c++``)
+into ``~/.cache/semspec/kernels/`` (``$SEMSPEC_KERNEL_CACHE``), keyed by the source and flags, written
+atomically, loaded with ctypes; OpenMP threads come from the runtime torch already loaded (one
+``libgomp.so.1``, so the two share a thread pool), as many as ``torch.get_num_threads()``. Where the CPU
+lacks AVX2/FMA, no compiler is found or the build fails, ``int8_mm`` returns None (logged once) and the
+caller keeps PyTorch's op: only speed is lost. ``SEMSPEC_INT8_KERNEL=0`` turns it off (to compare).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+NEEDS = frozenset({"avx2", "fma"})  # /proc/cpuinfo flags the build assumes
+MAX_ROWS = 2  # above this, PyTorch's kernel is as fast or faster (measured; see README "Numeric formats")
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline __m256 load_w8(const int8_t* p) {  // 8 int8 weights -> 8 float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// out[r] = dot(xf[r, :], w) for R rows of xf (R, K) float32, U independent accumulators per row
+template <int R, int U>
+static inline void dot_rows(const float* xf, int64_t K, const int8_t* w, float* out) {
+  __m256 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    __m256 wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load_w8(w + k + 8 * u);
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u)
+        acc[r][u] = _mm256_fmadd_ps(wv[u], _mm256_loadu_ps(xf + r * K + k + 8 * u), acc[r][u]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = acc[r][0];
+    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[r][u]);
+    float t = hsum(s);
+    for (int64_t j = k; j < K; ++j) t += (float)w[j] * xf[r * K + j];
+    out[r] = t;
+  }
+}
+
+// y (M, N) = (xf (M, K) @ q (N, K)^T) * scale (N,); store(y, index, value) writes one output
+template <typename Scale, typename Store>
+static void int8_mm(const float* xf, int64_t M, int64_t K, const int8_t* q, Scale scale, int64_t N,
+                    Store store, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t* w = q + n * K;
+    const float s = scale(n);
+    float out[2];
+    int64_t r = 0;
+    for (; r + 2 <= M; r += 2) {
+      dot_rows<2, 4>(xf + r * K, K, w, out);
+      store((r + 0) * N + n, out[0] * s);
+      store((r + 1) * N + n, out[1] * s);
+    }
+    if (r < M) {
+      dot_rows<1, 4>(xf + r * K, K, w, out);
+      store(r * N + n, out[0] * s);
+    }
+  }
+}
+
+extern "C" void semspec_int8_mm_bf16(const uint16_t* x, int64_t M, int64_t K, const int8_t* q,
+                                     const uint16_t* scales, int64_t N, uint16_t* y, int threads) {
+  float* xf = (float*)malloc(sizeof(float) * M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(x[i]);
+  int8_mm(xf, M, K, q, [=](int64_t n) { return bf16_to_f32(scales[n]); }, N,
+          [=](int64_t i, float v) { y[i] = f32_to_bf16(v); }, threads);
+  free(xf);
+}
+
+extern "C" void semspec_int8_mm_f32(const float* x, int64_t M, int64_t K, const int8_t* q,
+                                    const float* scales, int64_t N, float* y, int threads) {
+  int8_mm(x, M, K, q, [=](int64_t n) { return scales[n]; }, N, [=](int64_t i, float v) { y[i] = v; },
+          threads);
+}
+"""
+
+_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+_ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (``$SEMSPEC_KERNEL_CACHE``, default ``~/.cache/semspec/kernels``)."""
+    return Path(os.environ.get("SEMSPEC_KERNEL_CACHE", Path.home() / ".cache/semspec/kernels"))
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(cxx: str, folder: Path) -> Path:
+    """Compile ``SOURCE`` with ``cxx`` into ``folder`` (once: the file name carries a hash of the source,
+    the flags and the compiler) and return the library's path. Raises ``RuntimeError`` with the
+    compiler's message when the build fails."""
+    key = hashlib.sha256("\n".join((SOURCE, *FLAGS, cxx)).encode()).hexdigest()[:16]
+    lib = folder / f"int8_mm-{key}.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src, out = Path(tmp) / "int8_mm.cpp", Path(tmp) / lib.name
+        src.write_text(SOURCE)
+        done = subprocess.run([cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build the int8 kernel:\n{done.stderr.strip()[-2000:]}")
+        out.replace(lib)  # atomic: a concurrent build of the same key writes the same bytes
+    return lib
+
+
+def _bind(lib: Path) -> dict[torch.dtype, Callable]:
+    dll = ctypes.CDLL(str(lib))
+    fns = {torch.bfloat16: dll.semspec_int8_mm_bf16, torch.float32: dll.semspec_int8_mm_f32}
+    for fn in fns.values():
+        fn.argtypes, fn.restype = _ARGS, None
+    return fns
+
+
+@functools.cache
+def int8_mm() -> Kernel | None:
+    """The kernel as ``f(x (M, K), q (N, K) int8, scales (N,)) -> (M, N)`` in x's dtype (bfloat16 or
+    float32; every tensor contiguous on the CPU), or None where it is off or cannot be built here (then
+    PyTorch's ``_weight_int8pack_mm`` serves). Built and loaded once per process."""
+    from semspec.models.formats import cpu_info  # the CPU flags are read once, there
+
+    if os.environ.get("SEMSPEC_INT8_KERNEL", "1") == "0":
+        return None
+    missing = NEEDS - cpu_info().flags
+    cxx = compiler()
+    if missing or cxx is None:
+        why = f"the CPU lacks {sorted(missing)}" if missing else "no C++ compiler ($CXX, g++, c++)"
+        log.warning("int8 kernel off (%s): PyTorch's _weight_int8pack_mm decodes, slower", why)
+        return None
+    try:
+        fns = _bind(build(cxx, cache_dir()))
+    except (RuntimeError, OSError) as err:
+        log.warning("int8 kernel off: %s; PyTorch's _weight_int8pack_mm decodes, slower", err)
+        return None
+
+    def run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, q.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)  # (M, N)
+        fns[x.dtype](
+            x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
+        )
+        return y
+
+    return run
