@@ -33,8 +33,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-NEEDS = frozenset({"avx2", "fma"})  # /proc/cpuinfo flags the build assumes
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# instruction sets the source is built for, best first: compiler flags and the /proc/cpuinfo flags they need
+ISAS = {
+    "AVX512": (("-mavx512f", "-mavx2", "-mfma"), frozenset({"avx512f", "avx2", "fma"})),
+    "AVX2": (("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
+}
 MAX_ROWS = 2  # above this, PyTorch's kernel is as fast or faster (measured; see README "Numeric formats")
 
 SOURCE = r"""
@@ -52,33 +56,51 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
 }
-static inline float hsum(__m256 v) {
+#ifdef __AVX512F__  // 16 float32 lanes
+typedef __m512 vec;
+enum { LANES = 16 };
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec load_w(const int8_t* p) {  // 16 int8 weights -> 16 float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else  // AVX2: 8 float32 lanes
+typedef __m256 vec;
+enum { LANES = 8 };
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline float hsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-static inline __m256 load_w8(const int8_t* p) {  // 8 int8 weights -> 8 float32
+static inline vec load_w(const int8_t* p) {  // 8 int8 weights -> 8 float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+#endif
 
 // out[r] = dot(xf[r, :], w) for R rows of xf (R, K) float32, U independent accumulators per row
 template <int R, int U>
 static inline void dot_rows(const float* xf, int64_t K, const int8_t* w, float* out) {
-  __m256 acc[R][U];
+  vec acc[R][U];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[r][u] = vzero();
   int64_t k = 0;
-  for (; k + 8 * U <= K; k += 8 * U) {
-    __m256 wv[U];
-    for (int u = 0; u < U; ++u) wv[u] = load_w8(w + k + 8 * u);
+  for (; k + LANES * U <= K; k += LANES * U) {
+    vec wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load_w(w + k + LANES * u);
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u)
-        acc[r][u] = _mm256_fmadd_ps(wv[u], _mm256_loadu_ps(xf + r * K + k + 8 * u), acc[r][u]);
+      for (int u = 0; u < U; ++u) acc[r][u] = vfma(wv[u], vload(xf + r * K + k + LANES * u), acc[r][u]);
   }
   for (int r = 0; r < R; ++r) {
-    __m256 s = acc[r][0];
-    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[r][u]);
+    vec s = acc[r][0];
+    for (int u = 1; u < U; ++u) s = vadd(s, acc[r][u]);
     float t = hsum(s);
     for (int64_t j = k; j < K; ++j) t += (float)w[j] * xf[r * K + j];
     out[r] = t;
@@ -125,7 +147,6 @@ extern "C" void semspec_int8_mm_f32(const float* x, int64_t M, int64_t K, const 
 
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cache_dir() -> Path:
@@ -138,19 +159,31 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def build(cxx: str, folder: Path) -> Path:
-    """Compile ``SOURCE`` with ``cxx`` into ``folder`` (once: the file name carries a hash of the source,
-    the flags and the compiler) and return the library's path. Raises ``RuntimeError`` with the
-    compiler's message when the build fails."""
-    key = hashlib.sha256("\n".join((SOURCE, *FLAGS, cxx)).encode()).hexdigest()[:16]
-    lib = folder / f"int8_mm-{key}.so"
+def isa(flags: frozenset[str], wanted: str = "auto") -> str | None:
+    """The best instruction set in ``ISAS`` that CPU ``flags`` allow (``wanted``: ``auto`` or one name of
+    ``ISAS``, e.g. AVX2 on an AVX512 CPU to measure that build), or None."""
+    names = list(ISAS) if wanted == "auto" else [wanted.upper()]
+    if any(n not in ISAS for n in names):
+        raise ValueError(
+            f"SEMSPEC_INT8_KERNEL must be 0, auto or one of {[n.lower() for n in ISAS]}, got {wanted!r}"
+        )
+    return next((n for n in names if ISAS[n][1] <= flags), None)
+
+
+def build(cxx: str, folder: Path, target: str = "AVX2") -> Path:
+    """Compile ``SOURCE`` for instruction set ``target`` (a name in ``ISAS``) with ``cxx`` into ``folder``
+    (once: the file name carries a hash of the source, the flags and the compiler) and return the
+    library's path. Raises ``RuntimeError`` with the compiler's message when the build fails."""
+    flags = (*FLAGS, *ISAS[target][0])
+    key = hashlib.sha256("\n".join((SOURCE, *flags, cxx)).encode()).hexdigest()[:16]
+    lib = folder / f"int8_mm-{target.lower()}-{key}.so"
     if lib.is_file():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src, out = Path(tmp) / "int8_mm.cpp", Path(tmp) / lib.name
         src.write_text(SOURCE)
-        done = subprocess.run([cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        done = subprocess.run([cxx, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed to build the int8 kernel:\n{done.stderr.strip()[-2000:]}")
         out.replace(lib)  # atomic: a concurrent build of the same key writes the same bytes
@@ -165,33 +198,47 @@ def _bind(lib: Path) -> dict[torch.dtype, Callable]:
     return fns
 
 
+def describe() -> str:
+    """Which kernel decodes int8 here, for a person reading a figure."""
+    kernel = int8_mm()
+    if kernel is None:
+        return "decoding calls: PyTorch's _weight_int8pack_mm"
+    return f"decoding calls (up to {MAX_ROWS} rows): semspec's int8 kernel ({kernel.isa})"
+
+
 @functools.cache
-def int8_mm() -> Kernel | None:
+def int8_mm() -> _Kernel | None:
     """The kernel as ``f(x (M, K), q (N, K) int8, scales (N,)) -> (M, N)`` in x's dtype (bfloat16 or
     float32; every tensor contiguous on the CPU), or None where it is off or cannot be built here (then
     PyTorch's ``_weight_int8pack_mm`` serves). Built and loaded once per process."""
     from semspec.models.formats import cpu_info  # the CPU flags are read once, there
 
-    if os.environ.get("SEMSPEC_INT8_KERNEL", "1") == "0":
+    wanted = os.environ.get("SEMSPEC_INT8_KERNEL", "auto").strip().lower()
+    if wanted == "0":
         return None
-    missing = NEEDS - cpu_info().flags
-    cxx = compiler()
-    if missing or cxx is None:
-        why = f"the CPU lacks {sorted(missing)}" if missing else "no C++ compiler ($CXX, g++, c++)"
+    target, cxx = isa(cpu_info().flags, wanted), compiler()
+    if target is None or cxx is None:
+        why = "the CPU lacks AVX2/FMA" if target is None else "no C++ compiler ($CXX, g++, c++)"
         log.warning("int8 kernel off (%s): PyTorch's _weight_int8pack_mm decodes, slower", why)
         return None
     try:
-        fns = _bind(build(cxx, cache_dir()))
+        fns = _bind(build(cxx, cache_dir(), target))
     except (RuntimeError, OSError) as err:
         log.warning("int8 kernel off: %s; PyTorch's _weight_int8pack_mm decodes, slower", err)
         return None
 
-    def run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _Kernel(fns, target)
+
+
+class _Kernel:
+    """The built kernel: ``kernel(x, q, scales)``; ``isa`` names the instruction set it was built for."""
+
+    def __init__(self, fns: dict[torch.dtype, Callable], isa: str) -> None:
+        self.fns, self.isa = fns, isa
+
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, q.shape[0]
         y = torch.empty(m, n, dtype=x.dtype)  # (M, N)
-        fns[x.dtype](
-            x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
-        )
+        threads = torch.get_num_threads()
+        self.fns[x.dtype](x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), threads)
         return y
-
-    return run

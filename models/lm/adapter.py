@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
+from semspec.models import int8_kernel
 from semspec.models.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
@@ -76,7 +77,8 @@ class LM:
             "dtype": self.dtype_name,
             "format": self.format.name,
             "device": str(self.device),
-            "why": self.format.describe(),
+            "why": self.format.describe()
+            + (f"; {int8_kernel.describe()}" if self.format.name == "int8" else ""),
         }
 
     def __str__(self) -> str:

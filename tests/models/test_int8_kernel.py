@@ -11,8 +11,9 @@ import torch
 from semspec.models import int8_kernel
 from semspec.models.formats import Format, QuantLinear, cpu_info
 
-BUILDABLE = int8_kernel.NEEDS <= cpu_info().flags and int8_kernel.compiler() is not None
+BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
+HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
 
 
 @pytest.fixture
@@ -29,13 +30,15 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.
 
 
 @needs_build
+@pytest.mark.parametrize("target", HERE)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m, k, n", [(1, 37, 5), (2, 64, 7), (3, 896, 1536), (4, 33, 3), (1, 1536, 8960)])
-def test_the_kernel_is_the_int8_product(fresh, dtype, m, k, n):
-    """Shapes off every vector width (K not a multiple of 8 or 32, N odd) and the Qwen layers' own; float32
-    to float32's rounding, bfloat16 to one bfloat16 rounding of the output."""
+def test_the_kernel_is_the_int8_product(fresh, monkeypatch, target, dtype, m, k, n):
+    """Each build this CPU runs, on shapes off every vector width (K not a multiple of 8, 16 or 64, N
+    odd) and the Qwen layers' own; float32 to float32's rounding, bfloat16 to one bfloat16 rounding."""
+    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", target.lower())
     kernel = int8_kernel.int8_mm()
-    assert kernel is not None
+    assert kernel is not None and kernel.isa == target
     torch.manual_seed(m * k + n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales, x = (torch.rand(n) * 0.01 + 1e-3).to(dtype), torch.randn(m, k).to(dtype)
@@ -60,10 +63,21 @@ def test_it_agrees_with_pytorchs_op_on_a_model_layer(fresh):
 @needs_build
 def test_it_is_built_once_and_kept(fresh):
     cxx = int8_kernel.compiler()
-    lib = int8_kernel.build(cxx, fresh)
+    lib = int8_kernel.build(cxx, fresh, "AVX2")
     stamp = lib.stat().st_mtime_ns
-    assert int8_kernel.build(cxx, fresh) == lib and lib.stat().st_mtime_ns == stamp
+    assert int8_kernel.build(cxx, fresh, "AVX2") == lib and lib.stat().st_mtime_ns == stamp
     assert [p.name for p in fresh.iterdir()] == [lib.name], "no temporary left beside it"
+
+
+def test_the_build_is_the_best_instruction_set_the_cpu_has():
+    avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx2", "fma", "avx512f", "avx512bw"})
+    assert int8_kernel.isa(avx512) == "AVX512" and int8_kernel.isa(avx2) == "AVX2"
+    assert int8_kernel.isa(avx512, "avx2") == "AVX2", "a smaller build on a bigger CPU, to measure it"
+    assert int8_kernel.isa(avx2, "AVX512") is None and int8_kernel.isa(frozenset({"sse4_2"})) is None
+    with pytest.raises(
+        ValueError, match=r"SEMSPEC_INT8_KERNEL must be 0, auto or one of \['avx512', 'avx2'\]"
+    ):
+        int8_kernel.isa(avx2, "neon")
 
 
 def test_a_failed_build_falls_back_to_pytorch_with_a_warning(fresh, monkeypatch, caplog):
@@ -96,3 +110,16 @@ def test_a_quantized_layer_sends_decoding_calls_to_the_kernel(monkeypatch):
     for rows in (1, int8_kernel.MAX_ROWS, int8_kernel.MAX_ROWS + 1, 12):  # 12: dense
         layer(torch.randn(rows, 64).to(torch.bfloat16))
     assert calls == [1, int8_kernel.MAX_ROWS], "the kernel for up to MAX_ROWS rows, PyTorch's op above"
+
+
+def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
+    from semspec.models.lm import LM
+    from tests.helpers.tiny import tiny_lm
+
+    base = tiny_lm()
+    lm = LM(base.model, base.tokenizer, base.spec, Format("int8", torch.bfloat16, dense_rows=4))
+    monkeypatch.setattr(int8_kernel, "int8_mm", lambda: None)
+    assert lm.describe()["why"].endswith("; decoding calls: PyTorch's _weight_int8pack_mm")
+    monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))
+    assert lm.describe()["why"].endswith(f"(up to {int8_kernel.MAX_ROWS} rows): semspec's int8 kernel (AVX2)")
+    assert "kernel" not in base.describe()["why"], "a float32 model names no int8 kernel"
