@@ -35,6 +35,7 @@ from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
 from semspec.models.grading import grade
 from semspec.models.lm import LM, load_lm
 from semspec.models.project import load_pair
+from semspec.models.settings import reload_settings
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.eval_stats import bootstrap_pass
@@ -75,6 +76,7 @@ def torch_int8_op(on: bool = True) -> Iterator[None]:
     old = os.environ.get("SEMSPEC_INT8_KERNEL")
     os.environ["SEMSPEC_INT8_KERNEL"] = "0"
     int8_kernel.int8_mm.cache_clear()
+    reload_settings()
     try:
         yield
     finally:
@@ -83,6 +85,7 @@ def torch_int8_op(on: bool = True) -> Iterator[None]:
         else:
             os.environ["SEMSPEC_INT8_KERNEL"] = old
         int8_kernel.int8_mm.cache_clear()
+        reload_settings()
 
 
 def _split(fmt: str) -> tuple[str, bool]:
@@ -162,7 +165,9 @@ def speed(a: argparse.Namespace) -> None:
 
 
 def layer(a: argparse.Namespace) -> None:
-    """One linear layer of the 1.5B (1536 -> 8960), 28 distinct copies so its weights come from memory."""
+    """One linear layer of the 1.5B (1536 -> 8960), 28 distinct copies so its weights come from memory. The
+    int8 column is what the format runs (semspec's kernel up to its row limit, PyTorch's op above); the last
+    two run each int8 kernel at every row count, to place that limit on the CPU at hand."""
     from semspec.models.formats import Format
 
     k, n, copies = 1536, 8960, 28
@@ -174,7 +179,11 @@ def layer(a: argparse.Namespace) -> None:
         f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer;"
         f" int8:{_kernel('int8', False)} up to {int8_kernel.MAX_ROWS} rows"
     )
-    print(f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s} {'int8, torch op':>15s}")
+    kernel = int8_kernel.int8_mm()
+    print(
+        f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s} {'torch op':>9s}"
+        f" {'kernel' if kernel is None else 'kernel (' + kernel.isa + ')':>15s}"
+    )
     with torch.inference_mode():
         for m in a.rows:
             x = torch.randn(m, k)
@@ -184,7 +193,15 @@ def layer(a: argparse.Namespace) -> None:
             cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
             with torch_int8_op():
                 cells.append(_best(lambda xb=xb: [f(xb) for f in quant["int8"]]) / copies)
-            print(f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells), flush=True)
+            if kernel is not None:
+                cells.append(
+                    _best(lambda xb=xb: [kernel(xb, f.qweight, f.scales) for f in quant["int8"]]) / copies
+                )
+            print(
+                f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells[:5]),
+                *(f"{1000 * c:15.2f}" for c in cells[5:]),
+                flush=True,
+            )
 
 
 def quality(a: argparse.Namespace) -> None:

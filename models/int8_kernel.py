@@ -9,11 +9,12 @@ decode time. This one widens 8 int8 weights to float32 per AVX2 instruction and 
 with four independent chains per row, so one decode token runs at the memory bandwidth.
 
 It is built from the C++ source below with the system's C++ compiler (``$CXX``, else ``g++`` or ``c++``)
-into ``~/.cache/semspec/kernels/`` (``$SEMSPEC_KERNEL_CACHE``), keyed by the source and flags, written
+into ``kernels/`` of the cache folder (``$SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``), keyed by the source and flags, written
 atomically, loaded with ctypes; OpenMP threads come from the runtime torch already loaded (one
 ``libgomp.so.1``, so the two share a thread pool), as many as ``torch.get_num_threads()``. Where the CPU
 lacks AVX2/FMA, no compiler is found or the build fails, ``int8_mm`` returns None (logged once) and the
-caller keeps PyTorch's op: only speed is lost. ``SEMSPEC_INT8_KERNEL=0`` turns it off (to compare).
+caller keeps PyTorch's op: only speed is lost. ``SEMSPEC_INT8_KERNEL`` picks the build (``auto``, the
+best the CPU runs; ``avx2`` to measure that build on an AVX-512 CPU) or turns it off (``0``, to compare).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +151,9 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctype
 _ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept (``$SEMSPEC_KERNEL_CACHE``, default ``~/.cache/semspec/kernels``)."""
-    return Path(os.environ.get("SEMSPEC_KERNEL_CACHE", Path.home() / ".cache/semspec/kernels"))
-
-
 def compiler() -> str | None:
     """The C++ compiler to build with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    return settings().cxx or shutil.which("g++") or shutil.which("c++")
 
 
 def isa(flags: frozenset[str], wanted: str = "auto") -> str | None:
@@ -213,7 +210,7 @@ def int8_mm() -> _Kernel | None:
     PyTorch's ``_weight_int8pack_mm`` serves). Built and loaded once per process."""
     from semspec.models.formats import cpu_info  # the CPU flags are read once, there
 
-    wanted = os.environ.get("SEMSPEC_INT8_KERNEL", "auto").strip().lower()
+    wanted = settings().int8_kernel
     if wanted == "0":
         return None
     target, cxx = isa(cpu_info().flags, wanted), compiler()
@@ -222,7 +219,7 @@ def int8_mm() -> _Kernel | None:
         log.warning("int8 kernel off (%s): PyTorch's _weight_int8pack_mm decodes, slower", why)
         return None
     try:
-        fns = _bind(build(cxx, cache_dir(), target))
+        fns = _bind(build(cxx, settings().cache_dir / "kernels", target))
     except (RuntimeError, OSError) as err:
         log.warning("int8 kernel off: %s; PyTorch's _weight_int8pack_mm decodes, slower", err)
         return None

@@ -26,6 +26,13 @@ def _port(env: Mapping[str, str], var: str, default: int) -> int:
     return int(raw)
 
 
+def _choice(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
+    raw = env.get(var, allowed[0]).strip().lower()
+    if raw not in allowed:
+        raise ValueError(f"{var}={raw!r} must be one of {allowed}")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     """The environment, parsed: paths resolved, ports checked."""
@@ -39,6 +46,8 @@ class Settings:
     ray_address: str | None  # RAY_ADDRESS: a Ray cluster (None: in-process)
     hub_offline: bool  # HF_HUB_OFFLINE
     gguf_cache: bool  # SEMSPEC_GGUF_CACHE (on): keep GGUF models converted in the cache, to load in seconds
+    cxx: str | None  # CXX: the C++ compiler that builds the int8 kernel (default: g++ or c++ on the PATH)
+    int8_kernel: str  # SEMSPEC_INT8_KERNEL: auto (default), avx512, avx2 (that build), 0 (PyTorch's op)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -55,6 +64,8 @@ class Settings:
             ray_address=env.get("RAY_ADDRESS") or None,
             hub_offline=env.get("HF_HUB_OFFLINE", "").lower() in _TRUE,
             gguf_cache=env.get("SEMSPEC_GGUF_CACHE", "1").lower() in _TRUE,
+            cxx=env.get("CXX") or None,
+            int8_kernel=_choice(env, "SEMSPEC_INT8_KERNEL", ("auto", "avx512", "avx2", "0")),
         )
 
 

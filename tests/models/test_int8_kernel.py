@@ -19,9 +19,9 @@ HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, n
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """A kernel built into an empty cache, forgotten again afterwards."""
-    monkeypatch.setenv("SEMSPEC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path))
     int8_kernel.int8_mm.cache_clear()
-    yield tmp_path
+    yield tmp_path / "kernels"
     int8_kernel.int8_mm.cache_clear()
 
 
@@ -87,6 +87,7 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_warning(fresh, monkeypatch,
     assert got is None
     assert "int8 kernel off" in caplog.text and "_weight_int8pack_mm decodes" in caplog.text
     assert not list(fresh.glob("*.so")), "no library left by a failed build"
+    assert not [p for p in fresh.iterdir() if p.is_dir()], "nor a temporary folder"
     layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16))
     x = torch.randn(1, 64).to(torch.bfloat16)  # still decodes, through PyTorch's op
     want = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + layer.bias
