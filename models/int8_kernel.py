@@ -95,6 +95,9 @@ static inline void dot_rows(const float* xf, int64_t K, const int8_t* w, float* 
     for (int u = 0; u < U; ++u) acc[r][u] = vzero();
   int64_t k = 0;
   for (; k + LANES * U <= K; k += LANES * U) {
+    // the weights are read once: fetch them well ahead, past the caches x stays in (measured: down_proj
+    // of the 1.5B 24 -> 34 GB/s, gate_proj 37 -> 43)
+    _mm_prefetch((const char*)(w + k + 2048), _MM_HINT_NTA);
     vec wv[U];
     for (int u = 0; u < U; ++u) wv[u] = load_w(w + k + LANES * u);
     for (int r = 0; r < R; ++r)
