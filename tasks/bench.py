@@ -182,7 +182,7 @@ def model_notes(lms: dict[str, LM]) -> dict[str, dict[str, str]]:
     format on this CPU."""
     return {
         "_models": {r: str(lm) for r, lm in lms.items()},
-        "_formats": {r: lm.format.describe() for r, lm in lms.items()},
+        "_formats": {r: lm.describe()["why"] for r, lm in lms.items()},
     }
 
 
