@@ -177,7 +177,7 @@ def layer(a: argparse.Namespace) -> None:
     quant = {name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")}
     print(
         f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer;"
-        f" int8:{_kernel('int8', False)} up to {int8_kernel.MAX_ROWS} rows"
+        f" int8: {int8_kernel.describe()}"
     )
     kernel = int8_kernel.int8_mm()
     print(

@@ -4,7 +4,7 @@ A model spec's ``dtype`` names a format:
 
 * ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
 * ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
-  activations; decoding calls (up to ``int8_kernel.MAX_ROWS`` rows) through semspec's kernel
+  activations; decoding calls (a few rows, ``int8_kernel.MAX_ROWS``) through semspec's kernel
   (``models/int8_kernel.py``, at the memory bandwidth), others through ``torch.ops.aten._weight_int8pack_mm``;
 * ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
   bfloat16 activations, ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
@@ -234,12 +234,12 @@ class QuantLinear(nn.Module):
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
-            kernel = (
-                int8_kernel.int8_mm()
-                if x.shape[0] <= int8_kernel.MAX_ROWS and x.device.type == "cpu"
-                else None
-            )
-            if kernel is not None and x.dtype in (torch.bfloat16, torch.float32):
+            kernel = int8_kernel.int8_mm() if x.device.type == "cpu" else None
+            if (
+                kernel is not None
+                and x.shape[0] <= kernel.max_rows
+                and x.dtype in (torch.bfloat16, torch.float32)
+            ):
                 return kernel(x, self.qweight, self.scales)  # (M, N), decoding at the memory bandwidth
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)  # (M, N)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)

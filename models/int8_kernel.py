@@ -41,7 +41,10 @@ ISAS = {
     "AVX512": (("-mavx512f", "-mavx2", "-mfma"), frozenset({"avx512f", "avx2", "fma"})),
     "AVX2": (("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
 }
-MAX_ROWS = 2  # above this, PyTorch's kernel is as fast or faster (measured; see README "Numeric formats")
+# the most rows a call may have for this kernel, per build: above, PyTorch's op is as fast or faster
+# (`benchmarks/formats.py layer`: AVX-512 on an AVX512 CPU, where PyTorch's op tiles rows with AVX-512;
+# AVX2 against PyTorch's AVX2 path on the same CPU, ATEN_CPU_CAPABILITY=avx2; README "Numeric formats")
+MAX_ROWS = {"AVX512": 2, "AVX2": 8}
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -203,7 +206,7 @@ def describe() -> str:
     kernel = int8_mm()
     if kernel is None:
         return "decoding calls: PyTorch's _weight_int8pack_mm"
-    return f"decoding calls (up to {MAX_ROWS} rows): semspec's int8 kernel ({kernel.isa})"
+    return f"decoding calls (up to {kernel.max_rows} rows): semspec's int8 kernel ({kernel.isa})"
 
 
 @functools.cache
@@ -231,10 +234,11 @@ def int8_mm() -> _Kernel | None:
 
 
 class _Kernel:
-    """The built kernel: ``kernel(x, q, scales)``; ``isa`` names the instruction set it was built for."""
+    """The built kernel: ``kernel(x, q, scales)``; ``isa`` names the instruction set it was built for,
+    ``max_rows`` the most rows a call should have for it."""
 
     def __init__(self, fns: dict[torch.dtype, Callable], isa: str) -> None:
-        self.fns, self.isa = fns, isa
+        self.fns, self.isa, self.max_rows = fns, isa, MAX_ROWS[isa]
 
     def __call__(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, q.shape[0]

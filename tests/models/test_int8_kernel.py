@@ -102,15 +102,18 @@ def test_it_can_be_turned_off(fresh, monkeypatch):
 def test_a_quantized_layer_sends_decoding_calls_to_the_kernel(monkeypatch):
     calls: list[int] = []
 
-    def spy(x, q, scales):
-        calls.append(x.shape[0])
-        return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+    class Spy(int8_kernel._Kernel):
+        def __call__(self, x, q, scales):
+            calls.append(x.shape[0])
+            return torch.ops.aten._weight_int8pack_mm(x, q, scales)
 
+    spy = Spy({}, "AVX512")
+    assert spy.max_rows == int8_kernel.MAX_ROWS["AVX512"] == 2
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: spy)
     layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8))
-    for rows in (1, int8_kernel.MAX_ROWS, int8_kernel.MAX_ROWS + 1, 12):  # 12: dense
+    for rows in (1, 2, 3, 12):  # 12: dense
         layer(torch.randn(rows, 64).to(torch.bfloat16))
-    assert calls == [1, int8_kernel.MAX_ROWS], "the kernel for up to MAX_ROWS rows, PyTorch's op above"
+    assert calls == [1, 2], "the kernel for up to max_rows rows, PyTorch's op above"
 
 
 def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
@@ -122,5 +125,5 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: None)
     assert lm.describe()["why"].endswith("; decoding calls: PyTorch's _weight_int8pack_mm")
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))
-    assert lm.describe()["why"].endswith(f"(up to {int8_kernel.MAX_ROWS} rows): semspec's int8 kernel (AVX2)")
+    assert lm.describe()["why"].endswith("(up to 8 rows): semspec's int8 kernel (AVX2)")
     assert "kernel" not in base.describe()["why"], "a float32 model names no int8 kernel"
