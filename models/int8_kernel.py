@@ -223,7 +223,8 @@ def int8_mm() -> _Kernel | None:
         return None
     target, cxx = isa(cpu_info().flags, wanted), compiler()
     if target is None or cxx is None:
-        why = "the CPU lacks AVX2/FMA" if target is None else "no C++ compiler ($CXX, g++, c++)"
+        needs = "AVX2/FMA" if wanted == "auto" else f"what the {wanted} build needs"
+        why = f"the CPU lacks {needs}" if target is None else "no C++ compiler ($CXX, g++, c++)"
         log.warning("int8 kernel off (%s): PyTorch's _weight_int8pack_mm decodes, slower", why)
         return None
     try:

@@ -127,3 +127,13 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))
     assert lm.describe()["why"].endswith("(up to 8 rows): semspec's int8 kernel (AVX2)")
     assert "kernel" not in base.describe()["why"], "a float32 model names no int8 kernel"
+
+
+def test_a_build_the_cpu_cannot_run_is_off_and_says_which(fresh, monkeypatch, caplog):
+    from semspec.models import formats
+
+    monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX2", frozenset({"avx2", "fma"})))
+    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", "avx512")
+    with caplog.at_level(logging.WARNING, logger=int8_kernel.__name__):
+        assert int8_kernel.int8_mm() is None
+    assert "the CPU lacks what the avx512 build needs" in caplog.text
