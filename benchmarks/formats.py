@@ -1,6 +1,7 @@
 """Numeric formats on the CPU at hand: what each costs per call, and what it changes in the answers.
 
     python benchmarks/formats.py layer                      # one linear layer of the 1.5B target, by rows
+    python benchmarks/formats.py attention                  # one decode call's attention, by context
     python benchmarks/formats.py speed [--pair qwen-coder] [--formats bfloat16 float32 int8 int8-torch int4]
     python benchmarks/formats.py quality [--pair qwen-coder] [--n 40] [--formats bfloat16 int8]
 
@@ -14,7 +15,10 @@ evaluation's batching) and prints pass@1 with its 95% interval, the paired diffe
 format, and token agreement with it (the share of its output tokens each problem shares as a prefix,
 and the problems with the same output). The CPU's capability and each model's format are printed beside
 every figure. ``int8-torch`` is int8 with decoding calls through PyTorch's ``_weight_int8pack_mm`` instead
-of semspec's kernel (``models/int8_kernel.py``), to compare the two in one run.
+of semspec's kernel (``models/int8_kernel.py``), to compare the two in one run; a ``-sdpa`` suffix (e.g.
+``int8-sdpa``) decodes with transformers' SDPA attention instead of semspec's decode attention
+(``models/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
+(the defaults: the 0.5B's and the 1.5B's) and context length.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from semspec.models import int8_kernel
+from semspec.models import attention, int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
 from semspec.models.grading import grade
@@ -40,6 +44,7 @@ from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.eval_stats import bootstrap_pass
 
+LONG_REPEATS = 16  # the long prompt: CONTEXT this many times (about 600 tokens), where attention weighs
 CONTEXT = "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. How much does Tom spend in total?"
 STEP = "Next, 4 erasers at $0.50 each cost 4 * 0.50 = $2, so the erasers cost $2 in total.\n\n"
 
@@ -67,36 +72,52 @@ def decode_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+# a format's suffix -> the setting that turns one of semspec's kernels off, to compare in one run
+SUFFIXES = {"-torch": ("SEMSPEC_INT8_KERNEL", "0"), "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0")}
+
+
 @contextlib.contextmanager
-def torch_int8_op(on: bool = True) -> Iterator[None]:
-    """int8 decoding calls through PyTorch's op, not semspec's kernel, while inside (when ``on``)."""
-    if not on:
-        yield
-        return
-    old = os.environ.get("SEMSPEC_INT8_KERNEL")
-    os.environ["SEMSPEC_INT8_KERNEL"] = "0"
-    int8_kernel.int8_mm.cache_clear()
-    reload_settings()
+def kernels_off(env: dict[str, str]) -> Iterator[None]:
+    """semspec's kernels turned off as ``env`` says (e.g. ``{"SEMSPEC_INT8_KERNEL": "0"}``) while inside."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    _reload()
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("SEMSPEC_INT8_KERNEL")
-        else:
-            os.environ["SEMSPEC_INT8_KERNEL"] = old
-        int8_kernel.int8_mm.cache_clear()
-        reload_settings()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+        _reload()
 
 
-def _split(fmt: str) -> tuple[str, bool]:
-    """``int8-torch`` -> (``int8``, True): the format, and whether PyTorch's int8 op decodes."""
-    return fmt.removesuffix("-torch"), fmt.endswith("-torch")
+def torch_int8_op(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """int8 decoding calls through PyTorch's op, not semspec's kernel, while inside (when ``on``)."""
+    return kernels_off(dict([SUFFIXES["-torch"]]) if on else {})
 
 
-def _kernel(fmt_name: str, torch_op: bool) -> str:
+def _reload() -> None:
+    reload_settings()
+    int8_kernel.int8_mm.cache_clear()
+    attention.attention_kernel.cache_clear()
+
+
+def _split(fmt: str) -> tuple[str, dict[str, str]]:
+    """``int8-torch`` -> (``int8``, {SEMSPEC_INT8_KERNEL: 0}): the format, and the kernels it runs without."""
+    for suffix, (var, value) in SUFFIXES.items():
+        if fmt.endswith(suffix):
+            return fmt.removesuffix(suffix), {var: value}
+    return fmt, {}
+
+
+def _kernel(fmt_name: str, off: dict[str, str]) -> str:
+    if "SEMSPEC_DECODE_ATTENTION" in off:
+        return " [SDPA decode]"
     if fmt_name != "int8":
         return ""
-    return " [torch op]" if torch_op or int8_kernel.int8_mm() is None else " [semspec kernel]"
+    return " [torch op]" if off or int8_kernel.int8_mm() is None else " [semspec kernel]"
 
 
 def _best(fn, reps: int = 3) -> float:
@@ -112,18 +133,20 @@ def _timed(fn) -> float:
 
 @torch.inference_mode()
 def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
-    """ms: decode per token (1 row), one decode forward of 8 rows, step prefill per token, prompt prefill."""
+    """ms: decode per token (1 row; after the short prompt and after a long one), one decode forward of 8
+    rows, step prefill per token, prompt prefill."""
     prompt = lm.format_prompt(CONTEXT)
     state = lm.prefill(prompt)
     step = lm.continuation_ids(state.text, state.ids, STEP)
 
-    def decode_one():
-        cache = state.clone().cache
-        nxt = torch.tensor([[int(state.logits.argmax())]])
-        for _ in range(tokens):
+    def decode_from(start, n: int = tokens):
+        cache = start.clone().cache
+        nxt = torch.tensor([[int(start.logits.argmax())]])
+        for _ in range(n):
             logits, _, cache = lm.forward(nxt, cache)
             nxt = logits[:, -1].argmax(-1, keepdim=True)
 
+    long = lm.prefill(lm.format_prompt(" ".join([CONTEXT] * LONG_REPEATS)))
     rows = [state.clone() for _ in range(8)]
 
     def decode_eight():
@@ -131,7 +154,9 @@ def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
         lm.forward_rows(caches, [[int(state.logits.argmax())]] * 8)
 
     return {
-        "decode": 1000 * _best(decode_one) / tokens,
+        "decode": 1000 * _best(lambda: decode_from(state)) / tokens,
+        "decode_long": 1000 * _best(lambda: decode_from(long, 8)) / 8,
+        "long_tokens": len(long.ids),
         "decode8": 1000 * _best(decode_eight),
         "step": 1000 * _best(lambda: lm.score_steps([state.clone()], [STEP])) / len(step),
         "prompt": 1000 * _best(lambda: lm.prefill(prompt), reps=2),
@@ -143,25 +168,29 @@ def speed(a: argparse.Namespace) -> None:
     bw = bandwidth_gbs()
     print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}, read bandwidth {bw:.1f} GB/s")
     print(
-        f"{'model':42s} {'format':47s} {'decode 1 row':>13s} {'fwd 8 rows':>11s} {'step prefill':>13s}"
+        f"{'model':42s} {'format':47s} {'decode 1 row':>13s} {'long ctx':>10s} {'fwd 8 rows':>11s} {'step prefill':>13s}"
         f" {'prompt':>9s} {'floor':>7s} {'x floor':>7s}"
     )
     pair = load_pair(a.pair)
     for role in ("draft", "target"):
         for fmt in a.formats:
-            name, torch_op = _split(fmt)
+            name, off = _split(fmt)
             lm = load_lm(dataclasses.replace(pair.role(role), dtype=name))
-            with torch_int8_op(torch_op):
+            with kernels_off(off):
                 c = costs(lm)
-                label = lm.dtype_name + _kernel(name, torch_op)
+                label = lm.dtype_name + _kernel(name, off)
             floor = decode_bytes(lm.model) / 1e9 / bw * 1000
             print(
-                f"{lm.model_id[:42]:42s} {label[:47]:47s} {c['decode']:8.1f} ms/t {c['decode8']:8.1f} ms"
+                f"{lm.model_id[:42]:42s} {label[:47]:47s} {c['decode']:8.1f} ms/t {c['decode_long']:5.1f} ms/t"
+                f" {c['decode8']:8.1f} ms"
                 f" {c['step']:8.2f} ms/t {c['prompt']:6.0f} ms {floor:5.1f} ms {c['decode'] / floor:6.2f}x",
                 flush=True,
             )
             del lm
-    print(f"prompt: {c['prompt_tokens']} tokens; step: {STEP!r}")
+    print(
+        f"prompt: {c['prompt_tokens']} tokens (long ctx: {c['long_tokens']}, the same 'decode 1 row' after"
+        f" it); step: {STEP!r}"
+    )
 
 
 def layer(a: argparse.Namespace) -> None:
@@ -204,6 +233,38 @@ def layer(a: argparse.Namespace) -> None:
             )
 
 
+def attention_cost(a: argparse.Namespace) -> None:
+    """One decode call's attention (one query, a cache of ``--contexts`` positions) per head shape, us per
+    call: transformers' SDPA function and semspec's decode kernel, in bfloat16 and float32."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    print(
+        f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; us per call of one layer's attention"
+    )
+    print(f"{'heads/kv/dim':>13s} {'ctx':>5s} {'dtype':>9s} {'SDPA':>8s} {'kernel':>8s} {'x':>6s}")
+    for shape in a.shapes:
+        heads, kv, dim = (int(v) for v in shape.split("/"))
+        layer = torch.nn.Module()
+        layer.num_key_value_groups, layer.is_causal = heads // kv, True
+        for ctx in a.contexts:
+            for dtype in (torch.bfloat16, torch.float32):
+                q = torch.randn(1, heads, 1, dim).to(dtype)
+                k, v = torch.randn(2, 1, kv, ctx, dim).to(dtype)
+                reps = 200
+
+                def loop(fn, layer=layer, q=q, k=k, v=v, reps=reps):
+                    for _ in range(reps):
+                        fn(layer, q, k, v, None)
+
+                sdpa = _best(lambda: loop(sdpa_attention_forward)) / reps
+                kern = _best(lambda: loop(attention.decode_attention)) / reps
+                print(
+                    f"{shape:>13s} {ctx:5d} {str(dtype).removeprefix('torch.'):>9s} {1e6 * sdpa:8.1f}"
+                    f" {1e6 * kern:8.1f} {sdpa / kern:6.2f}",
+                    flush=True,
+                )
+
+
 def quality(a: argparse.Namespace) -> None:
     pair = load_pair(a.pair)
     problems = generate_arith(a.n, "test", seed=0)
@@ -213,14 +274,14 @@ def quality(a: argparse.Namespace) -> None:
     )
     outs: dict[str, list] = {}
     for fmt in a.formats:
-        name, torch_op = _split(fmt)
+        name, off = _split(fmt)
         lm = load_lm(dataclasses.replace(pair.target, dtype=name))
         dec = build_decoder("target", pair, {"target": lm}, settings)
-        with torch_int8_op(torch_op):
+        with kernels_off(off):
             t0 = time.perf_counter()
             res = dec.decode_batch([p.question for p in problems], a.batch)
             wall = time.perf_counter() - t0
-            label = lm.dtype_name + _kernel(name, torch_op)
+            label = lm.dtype_name + _kernel(name, off)
         grades = [grade("arith", p.answer, r.text)[1] for p, r in zip(problems, res, strict=True)]
         ids = [lm.tokenizer(r.text, add_special_tokens=False)["input_ids"] for r in res]
         outs[fmt] = [label, grades, ids, wall]
@@ -260,6 +321,9 @@ def main() -> None:
     s.add_argument("--formats", nargs="+", default=["bfloat16", "float32", "int8", "int8-torch", "int4"])
     la = sub.add_parser("layer")
     la.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 48, 384])
+    at = sub.add_parser("attention")
+    at.add_argument("--shapes", nargs="+", default=["14/2/64", "12/2/128"], help="heads/kv heads/head dim")
+    at.add_argument("--contexts", nargs="+", type=int, default=[64, 150, 300, 600, 1200])
     q = sub.add_parser("quality")
     q.add_argument("--pair", default="qwen-coder")
     q.add_argument("--n", type=int, default=40)
@@ -268,10 +332,11 @@ def main() -> None:
     q.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
     a = ap.parse_args()
     if getattr(a, "formats", None):
-        bad = [f for f in a.formats if f not in (*DENSE_DTYPES, "int8", "int8-torch", "int4", "auto")]
+        bad = [f for f in a.formats if _split(f)[0] not in (*DENSE_DTYPES, "int8", "int4", "auto")]
+        bad += [f for f in a.formats if f.endswith("-torch") and _split(f)[0] != "int8"]
         if bad:
             ap.error(f"unknown format(s) {bad}")
-    {"speed": speed, "layer": layer, "quality": quality}[a.what](a)
+    {"speed": speed, "layer": layer, "attention": attention_cost, "quality": quality}[a.what](a)
 
 
 if __name__ == "__main__":

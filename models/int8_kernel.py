@@ -48,7 +48,8 @@ ISAS = {
 # AVX2 against PyTorch's AVX2 path on the same CPU, ATEN_CPU_CAPABILITY=avx2; README "Numeric formats")
 MAX_ROWS = {"AVX512": 2, "AVX2": 8}
 
-SOURCE = r"""
+# what every semspec CPU kernel starts with: bfloat16 conversions and the vector type of the build
+PRELUDE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,6 +72,11 @@ static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vset1(float x) { return _mm512_set1_ps(x); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 static inline vec load_w(const int8_t* p) {  // 16 int8 weights -> 16 float32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
@@ -87,10 +93,20 @@ static inline float hsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+static inline vec vset1(float x) { return _mm256_set1_ps(x); }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec load_bf16(const uint16_t* p) {  // 8 bfloat16 -> 8 float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 static inline vec load_w(const int8_t* p) {  // 8 int8 weights -> 8 float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 #endif
+"""
+
+SOURCE = (
+    PRELUDE
+    + r"""
 
 // out[r] = dot(xf[r, :], w) for R rows of xf (R, K) float32, U independent accumulators per row
 template <int R, int U>
@@ -154,6 +170,7 @@ extern "C" void semspec_int8_mm_f32(const float* x, int64_t M, int64_t K, const 
           threads);
 }
 """
+)
 
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -175,22 +192,23 @@ def isa(flags: frozenset[str], wanted: str = "auto") -> str | None:
     return next((n for n in names if ISAS[n][1] <= flags), None)
 
 
-def build(cxx: str, folder: Path, target: str = "AVX2") -> Path:
-    """Compile ``SOURCE`` for instruction set ``target`` (a name in ``ISAS``) with ``cxx`` into ``folder``
-    (once: the file name carries a hash of the source, the flags and the compiler) and return the
-    library's path. Raises ``RuntimeError`` with the compiler's message when the build fails."""
+def build(cxx: str, folder: Path, target: str = "AVX2", name: str = "int8_mm", source: str = SOURCE) -> Path:
+    """Compile ``source`` (default: this kernel's) for instruction set ``target`` (a name in ``ISAS``) with
+    ``cxx`` into ``folder`` as library ``name`` (once: the file name carries a hash of the source, the
+    flags and the compiler) and return the library's path. Raises ``RuntimeError`` with the compiler's
+    message when the build fails."""
     flags = (*FLAGS, *ISAS[target][0])
-    key = hashlib.sha256("\n".join((SOURCE, *flags, cxx)).encode()).hexdigest()[:16]
-    lib = folder / f"int8_mm-{target.lower()}-{key}.so"
+    key = hashlib.sha256("\n".join((source, *flags, cxx)).encode()).hexdigest()[:16]
+    lib = folder / f"{name}-{target.lower()}-{key}.so"
     if lib.is_file():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src, out = Path(tmp) / "int8_mm.cpp", Path(tmp) / lib.name
-        src.write_text(SOURCE)
+        src, out = Path(tmp) / f"{name}.cpp", Path(tmp) / lib.name
+        src.write_text(source)
         done = subprocess.run([cxx, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build the int8 kernel:\n{done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed to build the {name} kernel:\n{done.stderr.strip()[-2000:]}")
         out.replace(lib)  # atomic: a concurrent build of the same key writes the same bytes
     return lib
 

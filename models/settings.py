@@ -46,8 +46,9 @@ class Settings:
     ray_address: str | None  # RAY_ADDRESS: a Ray cluster (None: in-process)
     hub_offline: bool  # HF_HUB_OFFLINE
     gguf_cache: bool  # SEMSPEC_GGUF_CACHE (on): keep GGUF models converted in the cache, to load in seconds
-    cxx: str | None  # CXX: the C++ compiler that builds the int8 kernel (default: g++ or c++ on the PATH)
+    cxx: str | None  # CXX: the C++ compiler that builds the CPU kernels (default: g++ or c++ on the PATH)
     int8_kernel: str  # SEMSPEC_INT8_KERNEL: auto (default), avx512, avx2 (that build), 0 (PyTorch's op)
+    decode_attention: str  # SEMSPEC_DECODE_ATTENTION: auto (default; semspec's kernel), 0 (SDPA)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -66,6 +67,7 @@ class Settings:
             gguf_cache=env.get("SEMSPEC_GGUF_CACHE", "1").lower() in _TRUE,
             cxx=env.get("CXX") or None,
             int8_kernel=_choice(env, "SEMSPEC_INT8_KERNEL", ("auto", "avx512", "avx2", "0")),
+            decode_attention=_choice(env, "SEMSPEC_DECODE_ATTENTION", ("auto", "0")),
         )
 
 

@@ -1,0 +1,275 @@
+"""Attention for decoding calls on CPU: one query per row, without SDPA's per-call cost.
+
+A decode token attends with one query per row over the whole cache. PyTorch's CPU SDPA runs that through
+its flash-attention kernel, built for many queries; measured on a 2-core AVX512 CPU it costs 80-130 us
+per layer at a 150-token context and 0.5-0.9 ms at 600 tokens (Qwen2.5 0.5B / 1.5B heads, bfloat16), a
+few to 25 ms per decoded token over the layers, where the arithmetic is a few microseconds. Here such a
+call runs a small C++ kernel (built and cached like the int8 kernel, ``models/int8_kernel.py``): per
+head, the scores against every cached key in float32, a softmax, and the weighted sum of the values in
+float32 (as the flash kernel accumulates), rounded once to the activation dtype; grouped-query heads read
+their key/value head in place (no ``repeat_kv`` copy) and the cache may be strided.
+``benchmarks/formats.py attention`` measures both.
+
+Every other call (several queries: prompts, a step's verification prefill; a GPU; dropout, soft-capping,
+attention sinks, a position bias, a float mask; a dtype other than bfloat16 or float32) goes to
+transformers' SDPA function unchanged, so prefill numerics stay as they were; so does every call where the
+kernel cannot be built (no compiler, no AVX2/FMA; logged once) or ``SEMSPEC_DECODE_ATTENTION=0``.
+Registered in transformers' attention and mask interfaces as ``ATTENTION``; ``use_decode_attention``
+switches a loaded model to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from semspec.models import int8_kernel
+from semspec.models.settings import settings
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "semspec_decode"
+# keyword arguments that change attention itself: a call carrying any of them keeps SDPA's path
+_SPECIAL = ("softcap", "s_aux", "sinks", "position_bias")
+MAX_DIM = 1024  # head dims the kernel takes (its per-thread buffers are sized by the call)
+
+SOURCE = (
+    int8_kernel.PRELUDE
+    + r"""
+#include <math.h>
+#include <vector>
+
+// exp(x) in float32 (Cephes' expf: a degree-5 polynomial on [-ln2/2, ln2/2] times 2^n, within 2 ulp);
+// inputs below -87.3 (a masked score) give exactly 0
+#ifdef __AVX512F__
+static inline vec vexp(vec x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  vec n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  vec y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+#else
+static inline vec vexp(vec x) {
+  const vec live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  vec n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  vec y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+#ifdef __AVX512F__
+static inline vec _sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+#else
+static inline vec _sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+#endif
+static inline vec load_act(const float* p) { return vload(p); }
+static inline vec load_act(const uint16_t* p) { return load_bf16(p); }
+static inline float get_act(const float* p) { return *p; }
+static inline float get_act(const uint16_t* p) { return bf16_to_f32(*p); }
+static inline void put_act(float* p, float v) { *p = v; }
+static inline void put_act(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+
+// out (B, H, D) = softmax(q k^T * scale) v for one query per row: q (B, H, D) contiguous; k, v (B, KV, T, D)
+// with element strides ks, vs = (batch, head, position) and D contiguous; head h reads key/value head
+// h / (H / KV); mask (B, T) bytes, 1 = attend (or null: every position)
+template <typename A>
+static void attend(const A* q, const A* k, const A* v, const int64_t* ks, const int64_t* vs,
+                   const uint8_t* mask, A* out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
+                   float scale, int threads) {
+  const int64_t group = H / KV;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> s(T), qf(D), acc(D);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, kvh = (bh % H) / group;
+      const A* kb = k + b * ks[0] + kvh * ks[1];
+      const A* vb = v + b * vs[0] + kvh * vs[1];
+      const uint8_t* mb = mask ? mask + b * T : nullptr;
+      for (int64_t d = 0; d < D; ++d) qf[d] = get_act(q + bh * D + d) * scale;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) {
+        if (mb && !mb[t]) { s[t] = -INFINITY; continue; }
+        const A* kr = kb + t * ks[2];
+        vec a = vzero();
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES) a = vfma(load_act(kr + d), vload(qf.data() + d), a);
+        float x = hsum(a);
+        for (; d < D; ++d) x += get_act(kr + d) * qf[d];
+        s[t] = x;
+        mx = x > mx ? x : mx;
+      }
+      float* o = acc.data();
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      float sum = 0.f;
+      if (mx != -INFINITY) {
+        const vec m = vset1(mx);
+        vec sums = vzero();
+        int64_t t = 0;
+        for (; t + LANES <= T; t += LANES) {
+          const vec e = vexp(_sub(vload(s.data() + t), m));
+          vstore(s.data() + t, e);
+          sums = vadd(sums, e);
+        }
+        sum = hsum(sums);
+        for (; t < T; ++t) {
+          const float e = s[t] == -INFINITY ? 0.f : expf(s[t] - mx);
+          s[t] = e;
+          sum += e;
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          if (s[t] == 0.f) continue;
+          const A* vr = vb + t * vs[2];
+          const vec w = vset1(s[t]);
+          int64_t d = 0;
+          for (; d + LANES <= D; d += LANES) vstore(o + d, vfma(w, load_act(vr + d), vload(o + d)));
+          for (; d < D; ++d) o[d] += s[t] * get_act(vr + d);
+        }
+      }
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that attends nowhere gets zeros
+      for (int64_t d = 0; d < D; ++d) put_act(out + bh * D + d, o[d] * inv);
+    }
+  }
+}
+
+#define ATTEND(NAME, A)                                                                             \
+  extern "C" void NAME(const A* q, const A* k, const A* v, const int64_t* ks, const int64_t* vs,    \
+                       const uint8_t* mask, A* out, int64_t B, int64_t H, int64_t KV, int64_t T,     \
+                       int64_t D, float scale, int threads) {                                        \
+    attend(q, k, v, ks, vs, mask, out, B, H, KV, T, D, scale, threads);                             \
+  }
+ATTEND(semspec_attend_bf16, uint16_t)
+ATTEND(semspec_attend_f32, float)
+"""
+)
+
+_P = ctypes.c_void_p
+_ARGS = [_P, _P, _P, _P, _P, _P, _P] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+_STRIDES = ctypes.c_int64 * 3
+
+
+@functools.cache
+def attention_kernel() -> dict[torch.dtype, Callable] | None:
+    """The built kernel's functions by activation dtype, or None where it is off
+    (``SEMSPEC_DECODE_ATTENTION=0``) or cannot be built here (then SDPA serves every call). The build
+    follows ``SEMSPEC_INT8_KERNEL``'s instruction set when that names one. Built once per process."""
+    from semspec.models.formats import cpu_info  # the CPU flags are read once, there
+
+    if settings().decode_attention == "0":
+        return None
+    wanted = "auto" if settings().int8_kernel == "0" else settings().int8_kernel
+    target, cxx = int8_kernel.isa(cpu_info().flags, wanted), int8_kernel.compiler()
+    if target is None or cxx is None:
+        why = "the CPU lacks AVX2/FMA" if target is None else "no C++ compiler ($CXX, g++, c++)"
+        log.warning("decode attention kernel off (%s): SDPA attends, slower", why)
+        return None
+    try:
+        lib = int8_kernel.build(cxx, settings().cache_dir / "kernels", target, "attend", SOURCE)
+        dll = ctypes.CDLL(str(lib))
+    except (RuntimeError, OSError) as err:
+        log.warning("decode attention kernel off: %s; SDPA attends, slower", err)
+        return None
+    fns = {torch.bfloat16: dll.semspec_attend_bf16, torch.float32: dll.semspec_attend_f32}
+    for fn in fns.values():
+        fn.argtypes, fn.restype = _ARGS, None
+    return fns
+
+
+def _kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None):
+    """The kernel function for this call, or None when the call is not one it takes."""
+    if query.shape[2] != 1 or query.device.type != "cpu" or query.shape[-1] > MAX_DIM:
+        return None
+    if not (query.dtype == key.dtype == value.dtype) or key.shape[-1] != value.shape[-1]:
+        return None
+    if query.shape[1] % key.shape[1] or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return None
+    if mask is not None and mask.dtype != torch.bool:
+        return None
+    fns = attention_kernel()
+    return None if fns is None else fns.get(query.dtype)
+
+
+def decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query (B, H, Q, D), key and value (B, KV, T, D), the
+    mask ``sdpa_mask`` makes (bool (B|1, 1, Q, T), True = attend, or None) -> ((B, Q, H, D), None).
+    One query per row on CPU runs the kernel; anything else goes to ``sdpa_attention_forward``."""
+    fn = None
+    if not dropout and not any(kwargs.get(k) is not None for k in _SPECIAL):
+        fn = _kernel_for(query, key, value, attention_mask)
+    if fn is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, _, dim = query.shape
+    kv_len = key.shape[2]
+    q = query.reshape(batch, heads, dim).contiguous()  # (B, H, D)
+    mask = None
+    if attention_mask is not None:  # (B|1, 1, 1, T') -> (B, T) bytes
+        mask = attention_mask[:, 0, -1, :kv_len].expand(batch, kv_len).contiguous()
+    out = torch.empty(batch, heads, dim, dtype=query.dtype)  # (B, H, D)
+    fn(
+        q.data_ptr(), key.data_ptr(), value.data_ptr(),
+        _STRIDES(*key.stride()[:3]), _STRIDES(*value.stride()[:3]),
+        None if mask is None else mask.data_ptr(), out.data_ptr(),
+        batch, heads, key.shape[1], kv_len, dim,
+        dim**-0.5 if scaling is None else scaling, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(batch, 1, heads, dim), None  # (B, 1, H, D)
+
+
+AttentionInterface.register(ATTENTION, decode_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def use_decode_attention(model: PreTrainedModel) -> bool:
+    """Switch ``model`` to ``decode_attention`` where it runs SDPA (the default); True when switched. A
+    model on another implementation (eager, flash, a remote-code model's own) is left as it is."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    model.set_attn_implementation(ATTENTION)
+    return model.config._attn_implementation == ATTENTION
+
+
+def describe(model: PreTrainedModel) -> str:
+    """Which attention decodes ``model``, for a person reading a figure."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTENTION:
+        return f"attention: {impl}"
+    return "decode attention: " + ("semspec's kernel" if attention_kernel() else "SDPA (kernel off)")
