@@ -93,11 +93,6 @@ def kernels_off(env: dict[str, str]) -> Iterator[None]:
         _reload()
 
 
-def torch_int8_op(on: bool = True) -> contextlib.AbstractContextManager[None]:
-    """int8 decoding calls through PyTorch's op, not semspec's kernel, while inside (when ``on``)."""
-    return kernels_off(dict([SUFFIXES["-torch"]]) if on else {})
-
-
 def _reload() -> None:
     reload_settings()
     int8_kernel.int8_mm.cache_clear()
@@ -220,7 +215,7 @@ def layer(a: argparse.Namespace) -> None:
             cells = [_best(lambda x=x: [f(x) for f in fp32]) / len(fp32)]
             cells.append(_best(lambda xb=xb: [f(xb) for f in dense]) / copies)
             cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
-            with torch_int8_op():
+            with kernels_off(_split("int8-torch")[1]):  # PyTorch's op for every int8 call
                 cells.append(_best(lambda xb=xb: [f(xb) for f in quant["int8"]]) / copies)
             if kernel is not None:
                 cells.append(
