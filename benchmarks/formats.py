@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from semspec.models import attention, int8_kernel
+from semspec.models import attention, decode_layer, int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
 from semspec.models.grading import grade
@@ -73,7 +73,11 @@ def decode_bytes(model: torch.nn.Module) -> int:
 
 
 # a format's suffix -> the setting that turns one of semspec's kernels off, to compare in one run
-SUFFIXES = {"-torch": ("SEMSPEC_INT8_KERNEL", "0"), "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0")}
+SUFFIXES = {
+    "-torch": ("SEMSPEC_INT8_KERNEL", "0"),
+    "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0"),
+    "-layer": ("SEMSPEC_DECODE_LAYER", "0"),
+}
 
 
 @contextlib.contextmanager
@@ -97,6 +101,7 @@ def _reload() -> None:
     reload_settings()
     int8_kernel.int8_mm.cache_clear()
     attention.attention_kernel.cache_clear()
+    decode_layer.layer_kernel.cache_clear()
 
 
 def _split(fmt: str) -> tuple[str, dict[str, str]]:
@@ -110,6 +115,8 @@ def _split(fmt: str) -> tuple[str, dict[str, str]]:
 def _kernel(fmt_name: str, off: dict[str, str]) -> str:
     if "SEMSPEC_DECODE_ATTENTION" in off:
         return " [SDPA decode]"
+    if "SEMSPEC_DECODE_LAYER" in off:
+        return " [modules decode]"
     if fmt_name != "int8":
         return ""
     return " [torch op]" if off or int8_kernel.int8_mm() is None else " [semspec kernel]"

@@ -49,6 +49,7 @@ class Settings:
     cxx: str | None  # CXX: the C++ compiler that builds the CPU kernels (default: g++ or c++ on the PATH)
     int8_kernel: str  # SEMSPEC_INT8_KERNEL: auto (default), avx512, avx2 (that build), 0 (PyTorch's op)
     decode_attention: str  # SEMSPEC_DECODE_ATTENTION: auto (default; semspec's kernel), 0 (SDPA)
+    decode_layer: str  # SEMSPEC_DECODE_LAYER: auto (default; semspec's layer kernel), 0 (the modules)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -68,6 +69,7 @@ class Settings:
             cxx=env.get("CXX") or None,
             int8_kernel=_choice(env, "SEMSPEC_INT8_KERNEL", ("auto", "avx512", "avx2", "0")),
             decode_attention=_choice(env, "SEMSPEC_DECODE_ATTENTION", ("auto", "0")),
+            decode_layer=_choice(env, "SEMSPEC_DECODE_LAYER", ("auto", "0")),
         )
 
 

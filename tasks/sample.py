@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from semspec.models import attention, formats, int8_kernel, steps
+from semspec.models import attention, decode_layer, formats, int8_kernel, steps
 from semspec.models import lm as lm_module
 from semspec.models.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
@@ -197,7 +197,7 @@ def run_sample(
             "model_id": spec.model_id,
             "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
             "code_md5": source_md5(
-                lm_module, formats, int8_kernel, attention, steps
+                lm_module, formats, int8_kernel, attention, decode_layer, steps
             ),  # and shards of other feature code
             "spec": asdict(spec),
             "sample": asdict(cfg),

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from semspec.models import attention, int8_kernel
+from semspec.models import attention, decode_layer, int8_kernel
 from semspec.models.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
@@ -34,10 +34,9 @@ class LM:
         self.tokenizer = tokenizer
         self.spec = spec
         self.device = next(model.parameters()).device
-        if (
-            self.device.type == "cpu"
-        ):  # one query per row attends through semspec's kernel (models/attention.py)
-            attention.use_decode_attention(model)
+        if self.device.type == "cpu":  # decoding calls through semspec's kernels
+            attention.use_decode_attention(model)  # one query per row attends (models/attention.py)
+            decode_layer.install(model)  # int8 Llama/Qwen2 layers, whole (models/decode_layer.py)
         # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
         self.format: Format = fmt or _dense_format(model)
         text_cfg = model.config.get_text_config()
@@ -83,7 +82,8 @@ class LM:
             "device": str(self.device),
             "why": self.format.describe()
             + (f"; {int8_kernel.describe()}" if self.format.name == "int8" else "")
-            + f"; {attention.describe(self.model)}",
+            + f"; {attention.describe(self.model)}"
+            + (f"; {layers}" if (layers := decode_layer.describe(self.model)) else ""),
         }
 
     def __str__(self) -> str:

@@ -1,0 +1,297 @@
+"""A decoder layer's decoding call in two C++ calls instead of ~100 small PyTorch ones.
+
+With the int8 kernel (``models/int8_kernel.py``) and the decode attention (``models/attention.py``) in
+place, one decode token of Qwen2.5 0.5B still spent ~6.5 ms of its ~20 outside them (8.4 ms of the
+1.5B's ~52; a 2-core AVX512 CPU): some 2,300 PyTorch calls per token, each a microsecond or two of
+dispatch, plus the Python of transformers' modules around them (RMSNorm's casts, rotary's ``cat``, seven
+quantized linears, the MLP's activation and product, two residual adds per layer). For a Llama-style
+decoder layer (Llama, Qwen2: RMSNorm, q/k/v/o projections with rotary positions, a SiLU-gated MLP), with
+every projection an int8 ``QuantLinear`` and bfloat16 activations, a decoding call (one new token per
+row, as many rows as the int8 kernel takes) runs here as:
+
+* ``layer_in``: RMSNorm, the q, k and v products (bias included), rotary positions on q and k;
+* the cache's own ``update`` and ``attention.decode_attention`` (its kernel), from Python;
+* ``layer_out``: the output product, the residual, RMSNorm, the gate and up products with SiLU and their
+  product, the down product and the residual.
+
+Each step rounds to bfloat16 where transformers' bfloat16 ops round (after a product, a norm, a bias, a
+rotary term, an activation, a residual), and the products run the int8 kernel's own loop: the layer
+computes what the modules compute, up to float32 summation order in the norm (tests compare the two).
+Every other call (a prefill, more rows, float32 activations, another format, a sliding window, attention
+weights asked for, autograd on) runs the module's own ``forward``, as does every call where the kernel
+cannot be built or ``SEMSPEC_DECODE_LAYER=0``. ``install`` switches a loaded model's layers;
+``benchmarks/formats.py speed`` compares both in one run (format suffix ``-layer``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from semspec.models import attention, int8_kernel
+from semspec.models.formats import QuantLinear
+from semspec.models.settings import settings
+
+log = logging.getLogger(__name__)
+
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # the layer classes whose forward this reproduces
+NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")  # weight * bf16(x * rsqrt(mean(x^2) + eps))
+
+SOURCE = (
+    int8_kernel.SOURCE
+    + r"""
+#include <math.h>
+#include <vector>
+
+static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }  // a bfloat16 op's rounding
+
+// y (M, N), bfloat16 values in float32 = bf16(bf16(x (M, K) @ q (N, K)^T * scale) + bias), as a
+// QuantLinear computes it (bias may be null)
+static void qlinear(const float* x, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,
+                    const uint16_t* bias, int64_t N, float* y, int threads) {
+  int8_mm(x, M, K, q, [=](int64_t n) { return bf16_to_f32(scales[n]); }, N,
+          [=](int64_t i, float v) { y[i] = bias ? rb(rb(v) + bf16_to_f32(bias[i % N])) : rb(v); }, threads);
+}
+
+// transformers' RMSNorm of bfloat16 rows: weight * bf16(x * rsqrt(mean(x^2) + eps)), rounded
+static void rms_norm(const float* x, int64_t M, int64_t H, const uint16_t* w, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * H;
+    double ss = 0.0;
+    for (int64_t i = 0; i < H; ++i) ss += (double)(r[i] * r[i]);
+    const float inv = 1.f / sqrtf((float)(ss / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[m * H + i] = rb(bf16_to_f32(w[i]) * rb(r[i] * inv));
+  }
+}
+
+// rotary positions in place on t (M, heads * D): bf16(bf16(t * cos) + bf16(rotate_half(t) * sin)), with
+// cos and sin (M, D) in bfloat16 (transformers' apply_rotary_pos_emb)
+static void rope(float* t, int64_t M, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
+  std::vector<float> tmp(D);
+  const int64_t half = D / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = t + (m * heads + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float rot = d < half ? -v[d + half] : v[d - half];
+        tmp[d] = rb(rb(v[d] * bf16_to_f32(cos[m * D + d])) + rb(rot * bf16_to_f32(sin[m * D + d])));
+      }
+      memcpy(v, tmp.data(), sizeof(float) * D);
+    }
+}
+
+// x (M, H) -> q (M, n[0]), k (M, n[1]), v (M, n[2]) in bfloat16: RMSNorm, the three products, rotary
+// positions on q and k (head dim D)
+extern "C" void semspec_layer_in(const uint16_t* x, int64_t M, int64_t H, const uint16_t* norm, float eps,
+                                 const int8_t* const* w, const uint16_t* const* s, const uint16_t* const* b,
+                                 const int64_t* n, const uint16_t* cos, const uint16_t* sin, int64_t D,
+                                 uint16_t* const* out, int threads) {
+  std::vector<float> xf(M * H), xn(M * H);
+  for (int64_t i = 0; i < M * H; ++i) xf[i] = bf16_to_f32(x[i]);
+  rms_norm(xf.data(), M, H, norm, eps, xn.data());
+  for (int j = 0; j < 3; ++j) {
+    std::vector<float> y(M * n[j]);
+    qlinear(xn.data(), M, H, w[j], s[j], b[j], n[j], y.data(), threads);
+    if (j < 2) rope(y.data(), M, n[j] / D, D, cos, sin);
+    for (int64_t i = 0; i < M * n[j]; ++i) out[j][i] = f32_to_bf16(y[i]);
+  }
+}
+
+// attention output a (M, A) and the layer's input x (M, H) -> the layer's output (M, H): the output
+// product, the residual, RMSNorm, SiLU(gate) * up (I wide), the down product, the residual
+extern "C" void semspec_layer_out(const uint16_t* a, const uint16_t* x, int64_t M, int64_t H, int64_t A,
+                                  const int8_t* ow, const uint16_t* os, const uint16_t* norm, float eps,
+                                  const int8_t* gw, const uint16_t* gs, const int8_t* uw, const uint16_t* us,
+                                  int64_t I, const int8_t* dw, const uint16_t* ds, uint16_t* out,
+                                  int threads) {
+  std::vector<float> af(M * A), o(M * H), xn(M * H), act(M * I), d(M * H);
+  for (int64_t i = 0; i < M * A; ++i) af[i] = bf16_to_f32(a[i]);
+  qlinear(af.data(), M, A, ow, os, nullptr, H, o.data(), threads);
+  for (int64_t i = 0; i < M * H; ++i) o[i] = rb(bf16_to_f32(x[i]) + o[i]);  // the residual stream
+  rms_norm(o.data(), M, H, norm, eps, xn.data());
+  float* pa = act.data();
+  const float* px = xn.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t j = 0; j < I; ++j) {
+    const float gsc = bf16_to_f32(gs[j]), usc = bf16_to_f32(us[j]);
+    for (int64_t m = 0; m < M; ++m) {
+      float g, u;
+      dot_rows<1, 4>(px + m * H, H, gw + j * H, &g);
+      dot_rows<1, 4>(px + m * H, H, uw + j * H, &u);
+      g = rb(g * gsc);
+      u = rb(u * usc);
+      pa[m * I + j] = rb(rb(g / (1.f + expf(-g))) * u);
+    }
+  }
+  qlinear(act.data(), M, I, dw, ds, nullptr, H, d.data(), threads);
+  for (int64_t i = 0; i < M * H; ++i) out[i] = f32_to_bf16(o[i] + d[i]);
+}
+"""
+)
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_PTRS3, _INTS3 = _P * 3, _I64 * 3
+# layer_in: x, M, H, norm, eps, weights[3], scales[3], biases[3], widths[3], cos, sin, D, outs[3], threads
+_IN_ARGS = [_P, _I64, _I64, _P, ctypes.c_float, _PTRS3, _PTRS3, _PTRS3, _INTS3, _P, _P, _I64, _PTRS3]
+_IN_ARGS += [ctypes.c_int]
+# layer_out: a, x, M, H, A, o (w, s), norm, eps, gate (w, s), up (w, s), I, down (w, s), out, threads
+_OUT_ARGS = [_P, _P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P, _P, _P]
+_OUT_ARGS += [ctypes.c_int]
+
+
+@functools.cache
+def layer_kernel() -> tuple[Callable, Callable] | None:
+    """The built ``(layer_in, layer_out)`` functions, or None where they are off
+    (``SEMSPEC_DECODE_LAYER=0``), the int8 kernel is off, or they cannot be built here (then every call
+    runs the modules). Built once per process, for the int8 kernel's instruction set."""
+    if settings().decode_layer == "0":
+        return None
+    kernel = int8_kernel.int8_mm()
+    cxx = int8_kernel.compiler()
+    if kernel is None or cxx is None:
+        log.warning("decode layer kernel off (no int8 kernel or compiler): the modules decode, slower")
+        return None
+    try:
+        lib = int8_kernel.build(cxx, settings().cache_dir / "kernels", kernel.isa, "decode_layer", SOURCE)
+        dll = ctypes.CDLL(str(lib))
+    except (RuntimeError, OSError) as err:
+        log.warning("decode layer kernel off: %s; the modules decode, slower", err)
+        return None
+    fin, fout = dll.semspec_layer_in, dll.semspec_layer_out
+    fin.argtypes, fin.restype = _IN_ARGS, None
+    fout.argtypes, fout.restype = _OUT_ARGS, None
+    return fin, fout
+
+
+def unfit(layer: nn.Module) -> str | None:
+    """Why ``layer`` cannot decode through the kernel (None when it can): its class, norms, activation,
+    projections (all int8 ``QuantLinear`` with bfloat16 activations, biases on q, k and v only) or
+    sliding window."""
+    if type(layer).__name__ not in LAYERS:
+        return f"{type(layer).__name__} is not one of {LAYERS}"
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n).__name__ not in NORMS for n in norms):
+        return "its norms are not Llama/Qwen2 RMSNorm"
+    if any(n.weight.dtype != torch.bfloat16 for n in norms):
+        return "its norms are not in bfloat16"
+    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"its MLP activation is {type(mlp.act_fn).__name__}, not SiLU"
+    projs = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if not all(isinstance(p, QuantLinear) and p.bits == 8 and p.act == torch.bfloat16 for p in projs):
+        return "not every projection is int8 with bfloat16 activations"
+    if any(p.bias is not None for p in projs[3:]):
+        return "o, gate, up or down has a bias"
+    if getattr(attn, "sliding_window", None) is not None:
+        return "it attends through a sliding window"
+    if attn.head_dim > attention.MAX_DIM or attn.head_dim % 2:
+        return f"head dim {attn.head_dim}"
+    return None
+
+
+def install(model: nn.Module) -> int:
+    """Route the decoding calls of every fitting decoder layer of ``model`` through the kernel (the
+    layer's ``forward`` is wrapped on the instance; other calls still run it). Returns how many layers
+    were switched (0 where the kernel is off or none fits)."""
+    if layer_kernel() is None:
+        return 0
+    done = 0
+    for layer in model.modules():
+        if type(layer).__name__ in LAYERS and unfit(layer) is None and not hasattr(layer, "_semspec_forward"):
+            layer._semspec_forward = layer.forward
+            layer.forward = types.MethodType(_forward, layer)
+            done += 1
+    return done
+
+
+def describe(model: nn.Module) -> str | None:
+    """``decode layers: semspec's kernel (24 of 24)`` where any layer of ``model`` runs it, else None."""
+    layers = [m for m in model.modules() if type(m).__name__ in LAYERS]
+    fast = sum(hasattr(m, "_semspec_forward") for m in layers)
+    return f"decode layers: semspec's kernel ({fast} of {len(layers)})" if fast else None
+
+
+def _kernel_for(
+    layer: nn.Module, x: torch.Tensor, mask, rope, kwargs: dict
+) -> tuple[Callable, Callable] | None:
+    """The kernel's functions when this call is a decoding call they take, else None."""
+    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() or rope is None or rope[0].dtype != torch.bfloat16:
+        return None
+    if mask is not None and mask.dtype != torch.bool:
+        return None
+    if kwargs.get("output_attentions") or getattr(layer.self_attn.config, "output_attentions", False):
+        return None
+    fns, mm = layer_kernel(), int8_kernel.int8_mm()  # both read the settings now: a benchmark toggles them
+    if fns is None or mm is None or x.shape[0] > mm.max_rows or attention.attention_kernel() is None:
+        return None
+    return fns
+
+
+def _ptrs(*tensors: torch.Tensor | None) -> ctypes.Array:
+    return _PTRS3(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def _forward(
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """The layer's forward: decoding calls through the kernel, any other call through the module's own."""
+    if cache is None and "past_key_values" in kwargs:
+        cache = kwargs.pop("past_key_values")
+    fns = _kernel_for(layer, hidden_states, attention_mask, position_embeddings, kwargs)
+    if fns is None:
+        return layer._semspec_forward(
+            hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+    fin, fout = fns
+    attn, mlp = layer.self_attn, layer.mlp
+    batch, _, hidden = hidden_states.shape
+    dim = attn.head_dim
+    x = hidden_states.contiguous()  # (B, 1, H)
+    cos, sin = (t.reshape(batch, dim).contiguous() for t in position_embeddings)  # (B, D) each
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    outs = [
+        torch.empty(batch, 1, p.out_features // dim, dim, dtype=torch.bfloat16) for p in projs
+    ]  # (B, 1, h, D)
+    threads = torch.get_num_threads()
+    norm = layer.input_layernorm
+    fin(
+        x.data_ptr(), batch, hidden, norm.weight.data_ptr(), norm.variance_epsilon,
+        _ptrs(*(p.qweight for p in projs)), _ptrs(*(p.scales for p in projs)), _ptrs(*(p.bias for p in projs)),
+        _INTS3(*(p.out_features for p in projs)), cos.data_ptr(), sin.data_ptr(), dim, _ptrs(*outs), threads,
+    )  # fmt: skip
+    q, k, v = (t.transpose(1, 2) for t in outs)  # (B, h, 1, D)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)  # (B, KV, T, D)
+    a, _ = attention.decode_attention(attn, q, k, v, attention_mask, scaling=attn.scaling)  # (B, 1, H, D)
+    a = a.reshape(batch, -1).contiguous()  # (B, heads * D)
+    out = torch.empty_like(x)  # (B, 1, H)
+    norm = layer.post_attention_layernorm
+    fout(
+        a.data_ptr(), x.data_ptr(), batch, hidden, a.shape[1],
+        attn.o_proj.qweight.data_ptr(), attn.o_proj.scales.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
+        mlp.gate_proj.qweight.data_ptr(), mlp.gate_proj.scales.data_ptr(),
+        mlp.up_proj.qweight.data_ptr(), mlp.up_proj.scales.data_ptr(), mlp.gate_proj.out_features,
+        mlp.down_proj.qweight.data_ptr(), mlp.down_proj.scales.data_ptr(), out.data_ptr(), threads,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,167 @@
+"""The decode layer kernel: an int8 Llama or Qwen2 decodes the same logits through it as through its
+modules, every call it does not take runs the modules, and it says when it is on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from semspec.models import attention, decode_layer, int8_kernel
+from semspec.models.formats import Format, cpu_info, quantize_model
+from semspec.models.settings import Settings, reload_settings
+
+BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
+INT8 = Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, tmp_path):
+    """The kernels built into an empty cache, forgotten again afterwards."""
+    monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path))
+    caches = (int8_kernel.int8_mm, attention.attention_kernel, decode_layer.layer_kernel)
+    for c in caches:
+        c.cache_clear()
+    yield
+    for c in caches:
+        c.cache_clear()
+
+
+def _qwen2(vocab: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # q, k and v carry biases in Qwen2: give them values, so the kernel's bias counts
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    return model
+
+
+def _int8_lm(arch: str = "llama"):
+    """A tiny int8 LM (bfloat16 activations) of ``arch``: llama (no biases, 16-dim heads) or qwen2."""
+    from semspec.models.lm import LM
+    from tests.helpers.tiny import tiny_lm
+
+    base = tiny_lm(init=0.2, hidden=64)
+    model = base.model if arch == "llama" else _qwen2(len(base.tokenizer))
+    model = model.to(torch.bfloat16)
+    quantize_model(model, INT8)
+    return LM(model, base.tokenizer, base.spec, INT8)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls that ran the kernel (``layer_in``) and those that ran the modules."""
+    calls = {"kernel": 0, "modules": 0}
+    fin, fout = decode_layer.layer_kernel()
+
+    def counting_in(*a):
+        calls["kernel"] += 1
+        return fin(*a)
+
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: (counting_in, fout))
+    real = decode_layer._forward
+
+    def forward(layer, hidden_states, *a, **kw):
+        before = calls["kernel"]
+        out = real(layer, hidden_states, *a, **kw)
+        calls["modules"] += calls["kernel"] == before
+        return out
+
+    monkeypatch.setattr(decode_layer, "_forward", forward)
+    return calls
+
+
+def _generate(lm, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and per-step logits for ``prompts`` (a padded batch)."""
+    ids = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            **ids, max_new_tokens=20, do_sample=False, pad_token_id=0, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences, torch.stack(out.scores).float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("prompts", [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = "]], ids=["one row", "padded"])
+def test_it_decodes_what_the_modules_decode(arch, prompts, monkeypatch):
+    lm = _int8_lm(arch)
+    assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
+    if len(prompts) > int8_kernel.int8_mm().max_rows:
+        pytest.skip("more rows than the int8 kernel takes on this CPU")
+    fin, fout = decode_layer.layer_kernel()
+    calls = []
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: None)  # off: the modules
+    seq_off, logits_off = _generate(lm, prompts)
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: (lambda *a: calls.append(fin(*a)), fout))
+    seq_on, logits_on = _generate(lm, prompts)
+    assert len(calls) == 2 * 19, "every decoding call of both layers (20 tokens: 19 after the prefill)"
+    assert torch.equal(seq_on, seq_off)
+    # the same bfloat16 roundings; only the norm's float32 sum runs in another order
+    scale = logits_off.abs().max().item()
+    assert (logits_on - logits_off).abs().max().item() <= 1e-2 * scale
+
+
+def test_calls_it_does_not_take_run_the_modules(counted):
+    lm = _int8_lm()
+    ids = lm.tokenizer(["3 + 4 = "], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = lm.model(ids, use_cache=True)  # a prefill: several tokens per row
+        assert counted == {"kernel": 0, "modules": 2}
+        rows = int8_kernel.int8_mm().max_rows + 1  # more rows than the int8 kernel takes
+        lm.model(ids[:, :1].repeat(rows, 1))
+        assert counted == {"kernel": 0, "modules": 4}
+        lm.model(ids[:, -1:], cache=out.cache)  # a decoding call
+        assert counted == {"kernel": 2, "modules": 4}
+    with torch.no_grad(), torch.enable_grad():  # autograd on: the modules keep the graph
+        lm.model(ids[:, :1])
+    assert counted == {"kernel": 2, "modules": 6}
+
+
+def test_only_int8_llama_style_layers_are_switched():
+    from tests.helpers.tiny import tiny_gemma_lm, tiny_lm
+
+    assert decode_layer.describe(tiny_lm().model) is None, "float32: the modules decode"
+    assert decode_layer.install(tiny_gemma_lm().model) == 0
+    lm = _int8_lm("qwen2")
+    layer = lm.model.model.layers[0]
+    assert decode_layer.unfit(layer) is None
+    layer.self_attn.sliding_window = 8
+    assert decode_layer.unfit(layer) == "it attends through a sliding window"
+    layer.self_attn.sliding_window = None
+    layer.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), False)
+    assert decode_layer.unfit(layer) == "o, gate, up or down has a bias"
+
+
+def test_off_or_unbuildable_the_modules_decode(monkeypatch, caplog):
+    monkeypatch.setenv("SEMSPEC_DECODE_LAYER", "0")
+    assert decode_layer.layer_kernel() is None
+    assert decode_layer.describe(_int8_lm().model) is None
+    monkeypatch.setenv("SEMSPEC_DECODE_LAYER", "auto")
+    reload_settings()
+    decode_layer.layer_kernel.cache_clear()
+
+    def broken(*a, **kw):
+        raise RuntimeError("g++ failed to build the decode_layer kernel: boom")
+
+    assert int8_kernel.int8_mm() is not None  # built before: only the layer kernel's build fails
+    monkeypatch.setattr(int8_kernel, "build", broken)
+    with caplog.at_level(logging.WARNING, logger=decode_layer.__name__):
+        assert decode_layer.layer_kernel() is None
+    assert "decode layer kernel off: g++ failed" in caplog.text
+    with pytest.raises(ValueError, match="SEMSPEC_DECODE_LAYER"):
+        Settings.from_env({"SEMSPEC_DECODE_LAYER": "yes"})
+
+
+def test_an_int8_model_says_its_layers_decode_through_it():
+    assert "; decode layers: semspec's kernel (2 of 2)" in _int8_lm().describe()["why"]
