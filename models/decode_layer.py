@@ -268,7 +268,8 @@ def _forward(
     batch, _, hidden = hidden_states.shape
     dim = attn.head_dim
     x = hidden_states.contiguous()  # (B, 1, H)
-    cos, sin = (t.reshape(batch, dim).contiguous() for t in position_embeddings)  # (B, D) each
+    # (B|1, 1, D) each (rows without their own positions share one) -> (B, D)
+    cos, sin = (t.expand(batch, 1, dim).reshape(batch, dim).contiguous() for t in position_embeddings)
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
     outs = [
         torch.empty(batch, 1, p.out_features // dim, dim, dtype=torch.bfloat16) for p in projs

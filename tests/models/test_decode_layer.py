@@ -112,6 +112,23 @@ def test_it_decodes_what_the_modules_decode(arch, prompts, monkeypatch):
     assert (logits_on - logits_off).abs().max().item() <= 1e-2 * scale
 
 
+def test_rows_sharing_their_positions_decode_alike(monkeypatch):
+    """Two rows without a mask share one row of positions (cos and sin broadcast over the batch)."""
+    lm = _int8_lm("qwen2")
+    if int8_kernel.int8_mm().max_rows < 2:
+        pytest.skip("the int8 kernel takes one row on this CPU")
+    ids = lm.tokenizer(["3 + 4 = ", "5 + 6 = "], return_tensors="pt").input_ids  # the same length
+    fns = decode_layer.layer_kernel()
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode_layer, "layer_kernel", lambda on=on: fns if on else None)
+        with torch.inference_mode():
+            out = lm.model(ids[:, :-1], use_cache=True)
+            logits[on] = lm.model(ids[:, -1:], cache=out.cache).logits.float()  # (2, 1, V)
+    assert torch.allclose(logits[True], logits[False], rtol=0, atol=1e-2 * logits[False].abs().max().item())
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
 def test_calls_it_does_not_take_run_the_modules(counted):
     lm = _int8_lm()
     ids = lm.tokenizer(["3 + 4 = "], return_tensors="pt").input_ids
