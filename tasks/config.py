@@ -40,6 +40,7 @@ def _positive(where: str, **values: float) -> None:
 
 
 INGEST_SOURCES = ("arith", "s1k", "math500", "aime24", "amc23")  # sources with reasoning chains
+TRACE_AUTHORS = ("data", "target", "draft")  # who writes the reasoning chains prefixes are cut from
 
 
 @dataclass
@@ -57,6 +58,11 @@ class IngestConfig:
     max_questions: int = 8  # questions taken per source (after the domain filter), seeded shuffle
     max_prefixes_per_question: int = 3  # prefixes kept per question (seeded subset of k = 0..steps-1)
     generate_traces: bool = False  # have the target write a greedy trace where the data has none
+    # who writes each question's reasoning chain: data (the source's own; the target fills missing ones
+    # with generate_traces) | target | draft (that model writes every chain, greedy, within
+    # trace_max_tokens; with draft, the prefixes are contexts the draft wrote, as SemanticSpec's are once
+    # it has accepted draft steps)
+    trace_author: str = "data"
     trace_max_tokens: int = 256  # token budget of a generated trace
     seed: int = 0
     on_error: str = "raise"  # raise | skip (counted) on malformed input rows
@@ -69,6 +75,10 @@ class IngestConfig:
             raise ValueError(
                 f"ingest: field 'source' must be one of {INGEST_SOURCES} or a list of distinct ones, got "
                 f"{self.source!r}"
+            )
+        if self.trace_author not in TRACE_AUTHORS:
+            raise ValueError(
+                f"ingest: field 'trace_author' must be one of {TRACE_AUTHORS}, got {self.trace_author!r}"
             )
         if self.domain_by not in ("data", "source"):
             raise ValueError(f"ingest: field 'domain_by' must be 'data' or 'source', got {self.domain_by!r}")

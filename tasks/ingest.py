@@ -107,21 +107,26 @@ def write_trace(lm: LM, question: str, max_tokens: int) -> str:
     return text
 
 
-def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, target: LM | None = None) -> Path:
+def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM | None = None) -> Path:
     """Build ``prefixes.parquet`` at ``out_path``, splitting chains into steps as the pair's models end
-    them (``split_strategy``, set by ``load_pair``). ``target`` (loaded on demand) writes missing traces."""
+    them (``split_strategy``, set by ``load_pair``). ``writer`` (default: the model ``trace_author``
+    names, or the target with ``generate_traces``, loaded on demand) writes the traces the data does not
+    give."""
+    author = cfg.trace_author if cfg.trace_author != "data" else ("target" if cfg.generate_traces else None)
     split = pair.target.split
     after = joiner(split, pair.target.delimiter)  # what follows each step of a context
     problems = select_problems(cfg)
     rng = random.Random(cfg.seed)
     rows, too_long, no_chain, generated = [], 0, 0, 0
     for prob in tqdm(problems, desc="ingest", unit="question"):
-        chain = prob.trace
-        if chain is None and cfg.generate_traces:
-            target = target or load_lm(pair.target)
-            chain = write_trace(target, prob.question, cfg.trace_max_tokens)
+        chain = prob.trace if cfg.trace_author == "data" else None
+        if chain is None and author is not None:
+            writer = writer or load_lm(pair.role(author))
+            chain = write_trace(writer, prob.question, cfg.trace_max_tokens)
             generated += 1
-        steps = split_steps(chain or "", split) or split_steps(prob.solution, split)
+        steps = split_steps(chain or "", split)
+        if not steps and cfg.trace_author == "data":  # a model's empty chain is not the solution's
+            steps = split_steps(prob.solution, split)
         if not steps:
             no_chain += 1
             continue

@@ -578,10 +578,45 @@ def test_ingest_has_the_target_write_missing_traces(tmp_path):
             "ingest.max_prefixes_per_question=50",
         ]
     )
-    out = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet", target=target)
+    out = run_ingest(p.ingest, pair, tmp_path / "prefixes.parquet", writer=target)
     rows = pq.read_table(out).to_pylist()
     assert {r["question_id"] for r in rows} == {"s1k-1", "s1k-2"}
     assert all(r["domain"] == "unknown" for r in rows)
+
+
+def test_ingest_can_have_the_draft_write_every_trace(tmp_path, monkeypatch):
+    """``trace_author: draft``: the draft writes each question's chain, in place of the data's, so the
+    prefixes are contexts the draft wrote; a chain it leaves empty drops the question (the data's
+    solution does not stand in); a bad value names the field."""
+    from semspec.tasks import ingest
+
+    pair = write_tiny_pair(tmp_path / "pair")
+    loaded, draft = [], object()
+
+    def load(spec):
+        loaded.append(spec.model_id)
+        return draft
+
+    def trace(lm, question: str, max_tokens: int) -> str:
+        assert lm is draft and max_tokens == 16
+        return "" if "Omar" in question else f"Draft one ({question[:8]}).\n\nDraft two.\n\nDraft three."
+
+    monkeypatch.setattr(ingest, "load_lm", load)
+    monkeypatch.setattr(ingest, "write_trace", trace)
+    base = ["ingest.max_questions=6", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=16"]
+    own = pq.read_table(run_ingest(load_params(overrides=base).ingest, pair, tmp_path / "a.parquet"))
+    assert loaded == [], "the data's traces need no model"
+    p = load_params(overrides=[*base, "ingest.trace_author=draft"])
+    rows = pq.read_table(run_ingest(p.ingest, pair, tmp_path / "b.parquet")).to_pylist()
+    assert loaded == [pair.draft.model_id], "the draft, loaded once"
+    omar = {r["question_id"] for r in own.to_pylist() if "Omar" in r["question"]}
+    assert {r["question_id"] for r in rows} == set(own.column("question_id").to_pylist()) - omar
+    for r in rows:  # k = 0, 1, 2 draft steps of the question's own chain
+        chain = trace(draft, r["question"], 16)
+        assert r["context"] == "\n\n".join([*chain.split("\n\n")[: r["step_index"]], ""])
+    assert {r["step_index"] for r in rows} == {0, 1, 2}
+    with pytest.raises(ValueError, match="field 'trace_author'"):
+        load_params(overrides=["ingest.trace_author=judge"])
 
 
 def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
