@@ -1,7 +1,7 @@
 """The weak-draft evidence: can probes trained on both models' steps make SemanticSpec correct a weak draft?
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
-                                    [--set section.key=value ... --name NAME]
+                                    [--set section.key=value ... --name NAME] [--examples own both]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
@@ -49,6 +49,13 @@ def main() -> None:
         "--set", action="append", default=[], dest="sets", help="a param override, section.key=value"
     )
     ap.add_argument("--name", default="", help="suffix of the output folders (required with --set)")
+    ap.add_argument(
+        "--examples",
+        nargs="+",
+        choices=EXAMPLES,
+        default=list(EXAMPLES),
+        help="the train.examples settings to train and evaluate (default: own and both, to compare them)",
+    )
     a = ap.parse_args()
     if a.sets and not a.name:
         ap.error("--set changes what is computed: name the run with --name so its outputs stay apart")
@@ -56,14 +63,15 @@ def main() -> None:
     run = "-".join(filter(None, (a.pair, a.profile, a.name)))
     data, reports = Path("data") / run, Path("reports") / run
     if not a.eval_only:
-        probe_pipeline(common, data, reports)
+        probe_pipeline(common, data, reports, a.examples)
     if not a.skip_eval:
-        evaluate(common, data, reports, Path("eval") / run)
+        evaluate(common, data, reports, Path("eval") / run, a.examples)
 
 
-def probe_pipeline(common: list[str], data: Path, reports: Path) -> None:
+def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[str]) -> None:
     """ingest, sample, cross and cluster (each resumes), then the probes of both ``train.examples``
-    settings on each share of the training questions; prints the learning curve of the routing metrics."""
+    settings (``settings``: own, both or the two) on each share of the training questions; prints the
+    learning curve of the routing metrics."""
     prefixes, samples, cross, labels = (
         data / "prefixes.parquet",
         data / "samples",
@@ -76,7 +84,7 @@ def probe_pipeline(common: list[str], data: Path, reports: Path) -> None:
     semspec("cross", *common, "--prefixes", str(prefixes), "--samples", str(samples), "--out", str(cross))
     semspec("cluster", *common, "--samples", str(samples), "--prefixes", str(prefixes), "--out", str(labels))
     curve = {}
-    for examples in EXAMPLES:
+    for examples in settings:
         for frac in FRACTIONS:
             name = f"{examples}-{frac:g}"
             metrics = reports / f"train-{name}.json"
@@ -94,20 +102,20 @@ def probe_pipeline(common: list[str], data: Path, reports: Path) -> None:
     print_curve(curve)
 
 
-def evaluate(common: list[str], data: Path, reports: Path, evals: Path) -> None:
-    """Each probe set (the 100% runs) evaluated with the profile's settings (resumes per problem); prints
-    the evidence table and plots pass@1 against machine time."""
-    for n, examples in enumerate(EXAMPLES):
+def evaluate(common: list[str], data: Path, reports: Path, evals: Path, settings: list[str]) -> None:
+    """Each probe set (the 100% runs of ``settings``) evaluated with the profile's settings (resumes per
+    problem); prints the evidence table and plots pass@1 against machine time."""
+    for n, examples in enumerate(settings):
         if n:
-            share_baselines(evals / EXAMPLES[0], evals / examples)
+            share_baselines(evals / settings[0], evals / examples)
         semspec(
             "evaluate", *common,
             "--probes", str(data / f"probes-{examples}-1"),
             "--out", str(evals / examples), "--plots", str(reports / f"eval-{examples}"),
             "--metrics", str(reports / f"eval-{examples}.json"),
         )  # fmt: skip
-    table = {examples: evidence(evals / examples) for examples in EXAMPLES}
-    print_evidence(table, json.loads((evals / EXAMPLES[0] / "metrics.json").read_text())["_models"])
+    table = {examples: evidence(evals / examples) for examples in settings}
+    print_evidence(table, json.loads((evals / settings[0] / "metrics.json").read_text())["_models"])
     plot_evidence(table, reports / "pass_vs_latency.png")
 
 
