@@ -14,6 +14,7 @@ from semspec.models.settings import Settings, reload_settings
 
 BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
+HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
 INT8 = Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
 
 
@@ -92,10 +93,14 @@ def _generate(lm, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return out.sequences, torch.stack(out.scores).float()
 
 
+@pytest.mark.parametrize("build", HERE)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("prompts", [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = "]], ids=["one row", "padded"])
-def test_it_decodes_what_the_modules_decode(arch, prompts, monkeypatch):
+def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
+    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", build.lower())  # every build this CPU runs (AVX2: 8 rows)
+    reload_settings()
     lm = _int8_lm(arch)
+    assert int8_kernel.int8_mm().isa == build
     assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
     if len(prompts) > int8_kernel.int8_mm().max_rows:
         pytest.skip("more rows than the int8 kernel takes on this CPU")
