@@ -48,48 +48,22 @@ SOURCE = (
 
 // exp(x) in float32 (Cephes' expf: a degree-5 polynomial on [-ln2/2, ln2/2] times 2^n, within 2 ulp);
 // inputs below -87.3 (a masked score) give exactly 0
-#ifdef __AVX512F__
 static inline vec vexp(vec x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  vec n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  vec y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+  const vec x0 = x;
+  x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
+  const vec n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfnma(n, vset1(0.693359375f), x);
+  x = vfnma(n, vset1(-2.12194440e-4f), x);
+  vec y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vadd(vfma(y, vmul(x, x), x), vset1(1.f));
+  return vzero_below(x0, -87.3f, vmul(y, vpow2i(n)));
 }
-#else
-static inline vec vexp(vec x) {
-  const vec live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  vec n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  vec y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-#endif
 
-#ifdef __AVX512F__
-static inline vec _sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-#else
-static inline vec _sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-#endif
 static inline vec load_act(const float* p) { return vload(p); }
 static inline vec load_act(const uint16_t* p) { return load_bf16(p); }
 static inline float get_act(const float* p) { return *p; }
@@ -135,7 +109,7 @@ static void attend(const A* q, const A* k, const A* v, const int64_t* ks, const 
         vec sums = vzero();
         int64_t t = 0;
         for (; t + LANES <= T; t += LANES) {
-          const vec e = vexp(_sub(vload(s.data() + t), m));
+          const vec e = vexp(vsub(vload(s.data() + t), m));
           vstore(s.data() + t, e);
           sums = vadd(sums, e);
         }

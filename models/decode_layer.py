@@ -30,6 +30,7 @@ import functools
 import logging
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -239,6 +240,58 @@ def _ptrs(*tensors: torch.Tensor | None) -> ctypes.Array:
     return _PTRS3(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+@dataclass(frozen=True)
+class _Weights:
+    """What the kernel reads of one layer besides the call's activations, gathered once per layer (the
+    modules' attribute lookups cost a few microseconds each, ~40 of them per call). It holds the weight
+    tensors themselves, so the addresses stay valid; weights copied in place keep them."""
+
+    tensors: tuple[torch.Tensor, ...]  # kept alive for the addresses below
+    heads: tuple[int, int, int]  # q, k and v heads
+    dim: int  # head dim
+    hidden: int
+    layer_in: tuple  # layer_in's arguments after (x, M, H): norm, eps, weights, scales, biases, widths
+    layer_out: tuple  # layer_out's o (w, s), norm, eps, gate (w, s), up (w, s), I, down (w, s)
+
+    def __reduce__(self):  # a copied or pickled model gathers its own weights (these addresses are not its)
+        return type(None), ()
+
+
+def _weights(layer: nn.Module) -> _Weights:
+    """``layer``'s ``_Weights``, gathered at its first decoding call."""
+    got = layer.__dict__.get("_semspec_weights")
+    if got is not None:
+        return got
+    attn, mlp = layer.self_attn, layer.mlp
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    n_in, n_out = layer.input_layernorm, layer.post_attention_layernorm
+    o, gate, up, down = attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    tensors = (
+        n_in.weight,
+        n_out.weight,
+        *(t for m in (*projs, o, gate, up, down) for t in (m.qweight, m.scales)),
+    )
+    tensors += tuple(p.bias for p in projs if p.bias is not None)
+    got = _Weights(
+        tensors,
+        tuple(p.out_features // attn.head_dim for p in projs),
+        attn.head_dim,
+        n_in.weight.shape[0],
+        (
+            n_in.weight.data_ptr(), n_in.variance_epsilon,
+            _ptrs(*(p.qweight for p in projs)), _ptrs(*(p.scales for p in projs)), _ptrs(*(p.bias for p in projs)),
+            _INTS3(*(p.out_features for p in projs)),
+        ),
+        (
+            o.qweight.data_ptr(), o.scales.data_ptr(), n_out.weight.data_ptr(), n_out.variance_epsilon,
+            gate.qweight.data_ptr(), gate.scales.data_ptr(), up.qweight.data_ptr(), up.scales.data_ptr(),
+            gate.out_features, down.qweight.data_ptr(), down.scales.data_ptr(),
+        ),
+    )  # fmt: skip
+    layer.__dict__["_semspec_weights"] = got
+    return got
+
+
 def _forward(
     layer: nn.Module,
     hidden_states: torch.Tensor,
@@ -264,35 +317,22 @@ def _forward(
             **kwargs,
         )
     fin, fout = fns
-    attn, mlp = layer.self_attn, layer.mlp
-    batch, _, hidden = hidden_states.shape
-    dim = attn.head_dim
+    w = _weights(layer)
+    attn = layer.self_attn
+    batch, dim = hidden_states.shape[0], w.dim
     x = hidden_states.contiguous()  # (B, 1, H)
     # (B|1, 1, D) each (rows without their own positions share one) -> (B, D)
     cos, sin = (t.expand(batch, 1, dim).reshape(batch, dim).contiguous() for t in position_embeddings)
-    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-    outs = [
-        torch.empty(batch, 1, p.out_features // dim, dim, dtype=torch.bfloat16) for p in projs
-    ]  # (B, 1, h, D)
+    outs = [torch.empty(batch, 1, h, dim, dtype=torch.bfloat16) for h in w.heads]  # (B, 1, h, D)
     threads = torch.get_num_threads()
-    norm = layer.input_layernorm
     fin(
-        x.data_ptr(), batch, hidden, norm.weight.data_ptr(), norm.variance_epsilon,
-        _ptrs(*(p.qweight for p in projs)), _ptrs(*(p.scales for p in projs)), _ptrs(*(p.bias for p in projs)),
-        _INTS3(*(p.out_features for p in projs)), cos.data_ptr(), sin.data_ptr(), dim, _ptrs(*outs), threads,
-    )  # fmt: skip
+        x.data_ptr(), batch, w.hidden, *w.layer_in, cos.data_ptr(), sin.data_ptr(), dim, _ptrs(*outs), threads
+    )
     q, k, v = (t.transpose(1, 2) for t in outs)  # (B, h, 1, D)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)  # (B, KV, T, D)
     a, _ = attention.decode_attention(attn, q, k, v, attention_mask, scaling=attn.scaling)  # (B, 1, H, D)
     a = a.reshape(batch, -1).contiguous()  # (B, heads * D)
     out = torch.empty_like(x)  # (B, 1, H)
-    norm = layer.post_attention_layernorm
-    fout(
-        a.data_ptr(), x.data_ptr(), batch, hidden, a.shape[1],
-        attn.o_proj.qweight.data_ptr(), attn.o_proj.scales.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
-        mlp.gate_proj.qweight.data_ptr(), mlp.gate_proj.scales.data_ptr(),
-        mlp.up_proj.qweight.data_ptr(), mlp.up_proj.scales.data_ptr(), mlp.gate_proj.out_features,
-        mlp.down_proj.qweight.data_ptr(), mlp.down_proj.scales.data_ptr(), out.data_ptr(), threads,
-    )  # fmt: skip
+    fout(a.data_ptr(), x.data_ptr(), batch, w.hidden, a.shape[1], *w.layer_out, out.data_ptr(), threads)
     return out

@@ -74,6 +74,18 @@ static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 static inline vec vset1(float x) { return _mm512_set1_ps(x); }
 static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+static inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vfloor(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vec vzero_below(vec x, float t, vec y) {  // y where x >= t, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_GE_OQ), y);
+}
 static inline vec load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -95,6 +107,18 @@ static inline float hsum(vec v) {
 }
 static inline vec vset1(float x) { return _mm256_set1_ps(x); }
 static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+static inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vfloor(vec x) { return _mm256_floor_ps(x); }
+static inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vec vzero_below(vec x, float t, vec y) {  // y where x >= t, else 0
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(t), _CMP_GE_OQ), y);
+}
 static inline vec load_bf16(const uint16_t* p) {  // 8 bfloat16 -> 8 float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }

@@ -187,3 +187,30 @@ def test_off_or_unbuildable_the_modules_decode(monkeypatch, caplog):
 
 def test_an_int8_model_says_its_layers_decode_through_it():
     assert "; decode layers: semspec's kernel (2 of 2)" in _int8_lm().describe()["why"]
+
+
+def test_a_copied_model_decodes_with_its_own_weights(monkeypatch):
+    """The kernel's weight addresses are gathered once per layer; a deep copy gathers its own, so changing
+    the copy's weights changes what the copy decodes, as it does through its modules."""
+    import copy
+
+    lm = _int8_lm("qwen2")
+    ids = lm.tokenizer(["3 + 4 = "], return_tensors="pt").input_ids
+    fns = decode_layer.layer_kernel()
+
+    def last_logits(model, on: bool) -> torch.Tensor:
+        monkeypatch.setattr(decode_layer, "layer_kernel", lambda: fns if on else None)
+        with torch.inference_mode():
+            out = model(ids[:, :-1], use_cache=True)
+            return model(ids[:, -1:], cache=out.cache).logits.float()  # (1, 1, V)
+
+    before = last_logits(lm.model, True)  # gathers the original's weights
+    twin = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        for layer in twin.model.layers:
+            layer.mlp.down_proj.scales.mul_(3)
+    changed = last_logits(twin, True)
+    assert not torch.allclose(changed, before, atol=1e-3)
+    scale = changed.abs().max().item()
+    assert torch.allclose(changed, last_logits(twin, False), rtol=0, atol=1e-2 * scale)
+    assert torch.equal(last_logits(lm.model, True), before), "the original still decodes its own weights"
