@@ -199,16 +199,19 @@ def unfit(layer: nn.Module) -> str | None:
 def install(model: nn.Module) -> int:
     """Route the decoding calls of every fitting decoder layer of ``model`` through the kernel (the
     layer's ``forward`` is wrapped on the instance; other calls still run it). Returns how many layers
-    were switched (0 where the kernel is off or none fits)."""
-    if layer_kernel() is None:
+    were switched (0 where the kernel is off or none fits). The kernel is built only for a model with a
+    layer that fits: a float model loads without compiling it, or warning that it cannot be."""
+    layers = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in LAYERS and not hasattr(m, "_semspec_forward") and unfit(m) is None
+    ]
+    if not layers or layer_kernel() is None:
         return 0
-    done = 0
-    for layer in model.modules():
-        if type(layer).__name__ in LAYERS and unfit(layer) is None and not hasattr(layer, "_semspec_forward"):
-            layer._semspec_forward = layer.forward
-            layer.forward = types.MethodType(_forward, layer)
-            done += 1
-    return done
+    for layer in layers:
+        layer._semspec_forward = layer.forward
+        layer.forward = types.MethodType(_forward, layer)
+    return len(layers)
 
 
 def describe(model: nn.Module) -> str | None:

@@ -214,3 +214,14 @@ def test_a_copied_model_decodes_with_its_own_weights(monkeypatch):
     scale = changed.abs().max().item()
     assert torch.allclose(changed, last_logits(twin, False), rtol=0, atol=1e-2 * scale)
     assert torch.equal(last_logits(lm.model, True), before), "the original still decodes its own weights"
+
+
+def test_a_float_model_loads_without_building_the_kernel(monkeypatch):
+    """No layer fits: install neither builds the kernel nor warns that it cannot."""
+    from tests.helpers.tiny import tiny_lm
+
+    def build_called():
+        raise AssertionError("the layer kernel was built for a model with no int8 layer")
+
+    monkeypatch.setattr(decode_layer, "layer_kernel", build_called)
+    assert decode_layer.install(tiny_lm().model) == 0
