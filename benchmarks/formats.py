@@ -177,8 +177,8 @@ def speed(a: argparse.Namespace) -> None:
     for role in ("draft", "target"):
         for fmt in a.formats:
             name, off = _split(fmt)
-            lm = load_lm(dataclasses.replace(pair.role(role), dtype=name))
-            with kernels_off(off):
+            with kernels_off(off):  # loaded inside too: int8 packs its weights only where the kernel runs
+                lm = load_lm(dataclasses.replace(pair.role(role), dtype=name))
                 c = costs(lm)
                 label = lm.dtype_name + _kernel(name, off)
             floor = decode_bytes(lm.model) / 1e9 / bw * 1000
@@ -197,8 +197,9 @@ def speed(a: argparse.Namespace) -> None:
 
 def layer(a: argparse.Namespace) -> None:
     """One linear layer of the 1.5B (1536 -> 8960), 28 distinct copies so its weights come from memory. The
-    int8 column is what the format runs (semspec's kernel up to its row limit, PyTorch's op above); the last
-    two run each int8 kernel at every row count, to place that limit on the CPU at hand."""
+    int8 column is what the format runs (semspec's kernel up to the format's dense rows, a dense GEMM above);
+    the last two run each int8 kernel at every row count: PyTorch's op on its own layout, semspec's on its
+    packed one."""
     from semspec.models.formats import Format
 
     k, n, copies = 1536, 8960, 28
@@ -206,6 +207,8 @@ def layer(a: argparse.Namespace) -> None:
     dense = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
     fp32 = [torch.nn.Linear(k, n, bias=False) for _ in range(copies // 2)]
     quant = {name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")}
+    with kernels_off(_split("int8-torch")[1]):  # int8 in PyTorch's layout (the kernel packs its own)
+        plain = [QuantLinear(d, Format("int8", torch.bfloat16)) for d in dense]
     print(
         f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer;"
         f" int8: {int8_kernel.describe()}"
@@ -223,7 +226,7 @@ def layer(a: argparse.Namespace) -> None:
             cells.append(_best(lambda xb=xb: [f(xb) for f in dense]) / copies)
             cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
             with kernels_off(_split("int8-torch")[1]):  # PyTorch's op for every int8 call
-                cells.append(_best(lambda xb=xb: [f(xb) for f in quant["int8"]]) / copies)
+                cells.append(_best(lambda xb=xb: [f(xb) for f in plain]) / copies)
             if kernel is not None:
                 cells.append(
                     _best(lambda xb=xb: [kernel(xb, f.qweight, f.scales) for f in quant["int8"]]) / copies

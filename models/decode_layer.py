@@ -6,8 +6,8 @@ place, one decode token of Qwen2.5 0.5B still spent ~6.5 ms of its ~20 outside t
 dispatch, plus the Python of transformers' modules around them (RMSNorm's casts, rotary's ``cat``, seven
 quantized linears, the MLP's activation and product, two residual adds per layer). For a Llama-style
 decoder layer (Llama, Qwen2: RMSNorm, q/k/v/o projections with rotary positions, a SiLU-gated MLP), with
-every projection an int8 ``QuantLinear`` and bfloat16 activations, a decoding call (one new token per
-row, as many rows as the int8 kernel takes) runs here as:
+every projection an int8 ``QuantLinear`` packed for the kernel and bfloat16 activations, a decoding call (one new token per
+row, as many rows as the layers' int8 calls take) runs here as:
 
 * ``layer_in``: RMSNorm, the q, k and v products (bias included), rotary positions on q and k;
 * the cache's own ``update`` and ``attention.decode_attention`` (its kernel), from Python;
@@ -119,15 +119,16 @@ extern "C" void semspec_layer_out(const uint16_t* a, const uint16_t* x, int64_t 
   float* pa = act.data();
   const float* px = xn.data();
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t j = 0; j < I; ++j) {
-    const float gsc = bf16_to_f32(gs[j]), usc = bf16_to_f32(us[j]);
+  for (int64_t b = 0; b < I / PJ; ++b) {  // one packed block of gate and of up channels
+    float g[PJ], u[PJ];
     for (int64_t m = 0; m < M; ++m) {
-      float g, u;
-      dot_rows<1, 4>(px + m * H, H, gw + j * H, &g);
-      dot_rows<1, 4>(px + m * H, H, uw + j * H, &u);
-      g = rb(g * gsc);
-      u = rb(u * usc);
-      pa[m * I + j] = rb(rb(g / (1.f + expf(-g))) * u);
+      dot_block<1>(px + m * H, H, gw + b * PJ * H, g);
+      dot_block<1>(px + m * H, H, uw + b * PJ * H, u);
+      for (int j = 0; j < PJ; ++j) {
+        const int64_t n = b * PJ + j;
+        const float gv = rb(g[j] * bf16_to_f32(gs[n])), uv = rb(u[j] * bf16_to_f32(us[n]));
+        pa[m * I + n] = rb(rb(gv / (1.f + expf(-gv))) * uv);
+      }
     }
   }
   qlinear(act.data(), M, I, dw, ds, nullptr, H, d.data(), threads);
@@ -187,6 +188,8 @@ def unfit(layer: nn.Module) -> str | None:
     projs = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if not all(isinstance(p, QuantLinear) and p.bits == 8 and p.act == torch.bfloat16 for p in projs):
         return "not every projection is int8 with bfloat16 activations"
+    if not all(p.packed for p in projs):
+        return "not every projection is packed for the int8 kernel (a width not a multiple of 16)"
     if any(p.bias is not None for p in projs[3:]):
         return "o, gate, up or down has a bias"
     if getattr(attn, "sliding_window", None) is not None:
@@ -234,7 +237,10 @@ def _kernel_for(
     if kwargs.get("output_attentions") or getattr(layer.self_attn.config, "output_attentions", False):
         return None
     fns, mm = layer_kernel(), int8_kernel.int8_mm()  # both read the settings now: a benchmark toggles them
-    if fns is None or mm is None or x.shape[0] > mm.max_rows or attention.attention_kernel() is None:
+    if fns is None or mm is None or attention.attention_kernel() is None:
+        return None
+    rows = layer.self_attn.q_proj.dense_rows
+    if rows is not None and x.shape[0] > rows:  # the modules' dense GEMM serves these
         return None
     return fns
 

@@ -4,8 +4,9 @@ A model spec's ``dtype`` names a format:
 
 * ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
 * ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
-  activations; decoding calls (a few rows, ``int8_kernel.MAX_ROWS``) through semspec's kernel
-  (``models/int8_kernel.py``, at the memory bandwidth), others through ``torch.ops.aten._weight_int8pack_mm``;
+  activations; int8 calls through semspec's kernel (``models/int8_kernel.py``, near the memory bandwidth,
+  on weights packed for it) where it runs and the shape fits its layout, else through
+  ``torch.ops.aten._weight_int8pack_mm``;
 * ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
   bfloat16 activations, ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 * ``auto``: the fastest correct format for the device (``resolve_format``, a documented rule).
@@ -208,9 +209,12 @@ class QuantLinear(nn.Module):
         self.bits = 8 if fmt.name == "int8" else 4
         self.dense_rows, self.act = fmt.dense_rows, fmt.activations
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.act), False)
+        # int8 weights in the kernel's packed layout where it runs here and the shape fits, else PyTorch's
+        self.packed = False
         if self.bits == 8:
             q, scale = quantize_int8(weight)
-            self.register_buffer("qweight", q)  # (N, K) int8
+            self.packed = int8_kernel.packable(*q.shape) and int8_kernel.int8_mm() is not None
+            self.register_buffer("qweight", int8_kernel.pack(q) if self.packed else q)  # (N/8, K/16, 8, 16) | (N, K)
             self.register_buffer("scales", scale.to(self.act))  # (N,)
         else:
             q, sz = quantize_int4(weight)
@@ -223,26 +227,30 @@ class QuantLinear(nn.Module):
         self.register_buffer("dense", dense, persistent=False)  # (N, K) or None
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, dense above {self.dense_rows} rows"
+        packed = ", packed" if self.packed else ""
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{packed}, dense above {self.dense_rows} rows"
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight as (N, K), whatever its layout (a new tensor when packed)."""
+        if self.bits != 8:
+            raise ValueError("only int8 weights have an (N, K) int8 form; int4's packing is the kernel's own")
+        return int8_kernel.unpack(self.qweight) if self.packed else self.qweight
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4's packing is the kernel's own:
         its dense copy is made before packing)."""
         if self.bits != 8:
             raise ValueError("only int8 weights are dequantized per call; int4 keeps a dense copy or none")
-        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        return self.int8_weight().to(dtype) * self.scales.to(dtype)[:, None]
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bits == 8:
-            kernel = int8_kernel.int8_mm() if x.device.type == "cpu" else None
-            if (
-                kernel is not None
-                and x.shape[0] <= kernel.max_rows
-                and x.dtype in (torch.bfloat16, torch.float32)
-            ):
-                return kernel(x, self.qweight, self.scales)  # (M, N), decoding at the memory bandwidth
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)  # (M, N)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+        if self.bits == 4:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+        if self.packed and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
+            kernel = int8_kernel.int8_mm()  # None only if turned off since loading: PyTorch's op serves
+            if kernel is not None:
+                return kernel(x, self.qweight, self.scales)  # (M, N), at the memory bandwidth for few rows
+        return torch.ops.aten._weight_int8pack_mm(x, self.int8_weight(), self.scales)  # (M, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -95,15 +95,17 @@ def _generate(lm, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("build", HERE)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("prompts", [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = "]], ids=["one row", "padded"])
+@pytest.mark.parametrize(
+    "prompts",
+    [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = "], ["3 + 4 = ", "12 * 3 - 5 = ", "7 = "]],
+    ids=["one row", "padded", "three rows"],  # three: a pair of rows and a single one per weight block
+)
 def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", build.lower())  # every build this CPU runs (AVX2: 8 rows)
+    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", build.lower())  # every build this CPU runs
     reload_settings()
     lm = _int8_lm(arch)
     assert int8_kernel.int8_mm().isa == build
     assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
-    if len(prompts) > int8_kernel.int8_mm().max_rows:
-        pytest.skip("more rows than the int8 kernel takes on this CPU")
     fin, fout = decode_layer.layer_kernel()
     calls = []
     monkeypatch.setattr(decode_layer, "layer_kernel", lambda: None)  # off: the modules
@@ -120,8 +122,6 @@ def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
 def test_rows_sharing_their_positions_decode_alike(monkeypatch):
     """Two rows without a mask share one row of positions (cos and sin broadcast over the batch)."""
     lm = _int8_lm("qwen2")
-    if int8_kernel.int8_mm().max_rows < 2:
-        pytest.skip("the int8 kernel takes one row on this CPU")
     ids = lm.tokenizer(["3 + 4 = ", "5 + 6 = "], return_tensors="pt").input_ids  # the same length
     fns = decode_layer.layer_kernel()
     logits = {}
@@ -140,7 +140,7 @@ def test_calls_it_does_not_take_run_the_modules(counted):
     with torch.inference_mode():
         out = lm.model(ids, use_cache=True)  # a prefill: several tokens per row
         assert counted == {"kernel": 0, "modules": 2}
-        rows = int8_kernel.int8_mm().max_rows + 1  # more rows than the int8 kernel takes
+        rows = INT8.dense_rows + 1  # more rows than the layers' int8 calls take: a dense GEMM
         lm.model(ids[:, :1].repeat(rows, 1))
         assert counted == {"kernel": 0, "modules": 4}
         lm.model(ids[:, -1:], cache=out.cache)  # a decoding call
@@ -163,6 +163,9 @@ def test_only_int8_llama_style_layers_are_switched():
     layer.self_attn.sliding_window = None
     layer.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), False)
     assert decode_layer.unfit(layer) == "o, gate, up or down has a bias"
+    layer.mlp.down_proj.bias = None
+    layer.mlp.down_proj.packed = False  # as a projection of a width the kernel's layout does not take
+    assert decode_layer.unfit(layer).startswith("not every projection is packed")
 
 
 def test_off_or_unbuildable_the_modules_decode(monkeypatch, caplog):

@@ -32,17 +32,20 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.
 @needs_build
 @pytest.mark.parametrize("target", HERE)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m, k, n", [(1, 37, 5), (2, 64, 7), (3, 896, 1536), (4, 33, 3), (1, 1536, 8960)])
+@pytest.mark.parametrize(
+    "m, k, n", [(1, 16, 8), (2, 48, 24), (3, 896, 1536), (5, 32, 16), (1, 1536, 8960), (64, 80, 40)]
+)
 def test_the_kernel_is_the_int8_product(fresh, monkeypatch, target, dtype, m, k, n):
-    """Each build this CPU runs, on shapes off every vector width (K not a multiple of 8, 16 or 64, N
-    odd) and the Qwen layers' own; float32 to float32's rounding, bfloat16 to one bfloat16 rounding."""
+    """Each build this CPU runs, on the smallest packed shape, odd row counts (pairs of rows and a single
+    one), K not a multiple of 32 or 64, the Qwen layers' own and a prompt's many rows; float32 to float32's
+    rounding, bfloat16 to one bfloat16 rounding."""
     monkeypatch.setenv("SEMSPEC_INT8_KERNEL", target.lower())
     kernel = int8_kernel.int8_mm()
     assert kernel is not None and kernel.isa == target
     torch.manual_seed(m * k + n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales, x = (torch.rand(n) * 0.01 + 1e-3).to(dtype), torch.randn(m, k).to(dtype)
-    y = kernel(x, q, scales)
+    y = kernel(x, int8_kernel.pack(q), scales)
     assert y.shape == (m, n) and y.dtype == dtype
     want = _reference(x, q, scales)
     tol = 1e-5 if dtype == torch.float32 else 2**-8  # bfloat16 keeps 8 significant bits
@@ -56,7 +59,8 @@ def test_it_agrees_with_pytorchs_op_on_a_model_layer(fresh):
     torch.manual_seed(0)
     q = torch.randint(-127, 128, (512, 1536), dtype=torch.int8)
     scales, x = (torch.rand(512) * 0.01).to(torch.bfloat16), torch.randn(4, 1536).to(torch.bfloat16)
-    ours, theirs = kernel(x, q, scales).float(), torch.ops.aten._weight_int8pack_mm(x, q, scales).float()
+    ours = kernel(x, int8_kernel.pack(q), scales).float()
+    theirs = torch.ops.aten._weight_int8pack_mm(x, q, scales).float()
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < 2e-2  # both round to bfloat16
 
 
@@ -89,6 +93,7 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_warning(fresh, monkeypatch,
     assert not list(fresh.glob("*.so")), "no library left by a failed build"
     assert not [p for p in fresh.iterdir() if p.is_dir()], "nor a temporary folder"
     layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16))
+    assert not layer.packed, "PyTorch's layout where the kernel is off"
     x = torch.randn(1, 64).to(torch.bfloat16)  # still decodes, through PyTorch's op
     want = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + layer.bias
     assert torch.equal(layer(x), want)
@@ -99,21 +104,51 @@ def test_it_can_be_turned_off(fresh, monkeypatch):
     assert int8_kernel.int8_mm() is None
 
 
-def test_a_quantized_layer_sends_decoding_calls_to_the_kernel(monkeypatch):
+def test_a_quantized_layer_sends_its_int8_calls_to_the_kernel(monkeypatch):
     calls: list[int] = []
 
     class Spy(int8_kernel._Kernel):
         def __call__(self, x, q, scales):
             calls.append(x.shape[0])
-            return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+            return torch.ops.aten._weight_int8pack_mm(x, int8_kernel.unpack(q), scales)
 
-    spy = Spy({}, "AVX512")
-    assert spy.max_rows == int8_kernel.MAX_ROWS["AVX512"] == 2
-    monkeypatch.setattr(int8_kernel, "int8_mm", lambda: spy)
+    monkeypatch.setattr(int8_kernel, "int8_mm", lambda: Spy({}, "AVX512"))
     layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8))
+    assert layer.packed and layer.qweight.shape == (2, 4, 8, 16)
     for rows in (1, 2, 3, 12):  # 12: dense
         layer(torch.randn(rows, 64).to(torch.bfloat16))
-    assert calls == [1, 2], "the kernel for up to max_rows rows, PyTorch's op above"
+    assert calls == [1, 2, 3], "the kernel for every call of up to dense_rows rows, a dense GEMM above"
+    odd = QuantLinear(torch.nn.Linear(40, 12), Format("int8", torch.bfloat16, dense_rows=8))
+    assert not odd.packed and odd.qweight.shape == (12, 40), "a shape the layout does not take"
+    x = torch.randn(1, 40).to(torch.bfloat16)
+    assert torch.equal(odd(x), torch.ops.aten._weight_int8pack_mm(x, odd.qweight, odd.scales) + odd.bias)
+    assert calls == [1, 2, 3], "PyTorch's op serves it"
+
+
+def test_packing_keeps_every_weight_and_refuses_a_shape_it_cannot_take():
+    q = torch.randint(-127, 128, (24, 48), dtype=torch.int8)
+    packed = int8_kernel.pack(q)
+    assert packed.shape == (3, 3, 8, 16)
+    assert torch.equal(packed[1, 2], q[8:16, 32:48]), "block 1 (channels 8-15), chunk 2 (inputs 32-47)"
+    assert torch.equal(int8_kernel.unpack(packed), q)
+    with pytest.raises(ValueError, match=r"shape \(24, 40\) cannot be packed: N must divide by 8, K by 16"):
+        int8_kernel.pack(q[:, :40])
+
+
+def test_a_packed_layer_turned_off_after_loading_still_multiplies(fresh, monkeypatch):
+    if not BUILDABLE:
+        pytest.skip("needs an AVX2/FMA CPU and a C++ compiler")
+    layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8))
+    assert layer.packed
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    on = layer(x)
+    with monkeypatch.context() as patched:  # undone before `fresh` forgets the kernel
+        patched.setattr(int8_kernel, "int8_mm", lambda: None)  # as a benchmark turning the kernel off
+        off = layer(x)
+    want = torch.ops.aten._weight_int8pack_mm(x, layer.int8_weight(), layer.scales) + layer.bias
+    assert torch.equal(off, want)
+    assert float((on.float() - off.float()).abs().max()) <= 2e-2 * float(off.float().abs().max())
+    assert torch.equal(layer.dequantized(), layer.int8_weight().float() * layer.scales.float()[:, None])
 
 
 def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
@@ -123,9 +158,9 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
     base = tiny_lm()
     lm = LM(base.model, base.tokenizer, base.spec, Format("int8", torch.bfloat16, dense_rows=4))
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: None)
-    assert "; decoding calls: PyTorch's _weight_int8pack_mm;" in lm.describe()["why"]
+    assert "; int8 calls: PyTorch's _weight_int8pack_mm;" in lm.describe()["why"]
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))
-    assert "(up to 8 rows): semspec's int8 kernel (AVX2);" in lm.describe()["why"]
+    assert "; int8 calls: semspec's int8 kernel (AVX2, packed weights);" in lm.describe()["why"]
     assert "int8 kernel" not in base.describe()["why"], "a float32 model names no int8 kernel"
 
 
