@@ -214,7 +214,8 @@ class QuantLinear(nn.Module):
         if self.bits == 8:
             q, scale = quantize_int8(weight)
             self.packed = int8_kernel.packable(*q.shape) and int8_kernel.int8_mm() is not None
-            self.register_buffer("qweight", int8_kernel.pack(q) if self.packed else q)  # (N/8, K/16, 8, 16) | (N, K)
+            q_stored = int8_kernel.pack(q) if self.packed else q  # (N/8, K/16, 8, 16) packed, else (N, K)
+            self.register_buffer("qweight", q_stored)
             self.register_buffer("scales", scale.to(self.act))  # (N,)
         else:
             q, sz = quantize_int4(weight)

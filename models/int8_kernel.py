@@ -293,7 +293,9 @@ class _Kernel:
         m, k = x.shape
         n = q.shape[0] * q.shape[2]
         if q.dim() != 4 or q.shape[1] * q.shape[3] != k:
-            raise ValueError(f"the int8 kernel takes weights from pack() for K={k}, got shape {tuple(q.shape)}")
+            raise ValueError(
+                f"the int8 kernel takes weights from pack() for K={k}, got shape {tuple(q.shape)}"
+            )
         y = torch.empty(m, n, dtype=x.dtype)  # (M, N)
         threads = torch.get_num_threads()
         self.fns[x.dtype](x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), threads)
