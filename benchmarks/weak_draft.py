@@ -21,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,7 @@ def print_curve(curve: dict) -> None:
     questions and variant."""
     print(
         f"{'examples':8s} {'train':>6s} {'variant':8s} {'true acc':>9s} {'false acc':>10s} {'AUROC':>7s} {'n':>5s}"
+        f" {'AUROC p':>8s} {'min ratio':>9s} {'true acc':>9s} {'false acc':>10s}  (the last two at min ratio)"
     )
     oracle = None  # true shares in place of the probes: the same for every run, printed once
     for (examples, frac), routing in curve.items():
@@ -168,7 +170,9 @@ def print_curve(curve: dict) -> None:
 def _curve_line(examples: str, train: str, variant: str, m: dict) -> None:
     print(
         f"{examples:8s} {train:>6s} {variant:8s} {m['true_accept']:9.3f} {m['false_accept']:10.3f} "
-        f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d}"
+        f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d} {m.get('auroc_p', nan):8.3f}"
+        f" {m.get('min_ratio', nan):9.3f} {m.get('true_accept_at_min_ratio', nan):9.3f}"
+        f" {m.get('false_accept_at_min_ratio', nan):10.3f}"
     )
 
 

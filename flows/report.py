@@ -32,16 +32,22 @@ def metrics_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _cell(x: float | int) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
 def routing_table_md(routing: dict) -> str:
     """Routing metrics per probe variant (and the oracle): does min(1, p/q) accept the draft steps the
-    target shares, and refuse the others?"""
-    cols = ["true_accept", "false_accept", "auroc", "n_shared", "n_not_shared"]
+    target shares, and refuse the others? With the floor on p/q chosen on validation steps, and its test
+    rates (nan: not chosen)."""
+    cols = ["true_accept", "false_accept", "auroc", "auroc_p", "n_shared", "n_not_shared", "min_ratio"]
+    cols += ["true_accept_at_min_ratio", "false_accept_at_min_ratio"]
     lines = [
         "| routing (test draft steps) | " + " | ".join(cols) + " |",
         "|" + "---|" * (len(cols) + 1),
     ]
     for name, m in routing.items():
-        cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
+        cells = [_cell(m.get(c, float("nan"))) for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

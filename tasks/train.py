@@ -269,21 +269,51 @@ def probe_metrics(pred: np.ndarray, y: np.ndarray, in_largest: np.ndarray) -> di
     }
 
 
-def routing_metrics(p: np.ndarray, q: np.ndarray, shared: np.ndarray) -> dict[str, float]:
-    """Does a probe pair accept the right draft steps? With the decoder's rule a(s) = min(1, p/q): the
-    true-accept rate (mean a over steps the target shares), the false-accept rate (mean a over steps it
-    does not) and the AUROC of p/q for shared vs not shared (NaN where a side is empty)."""
+def routing_metrics(
+    p: np.ndarray, q: np.ndarray, shared: np.ndarray, min_ratio: float = 0.0
+) -> dict[str, float]:
+    """Does a probe pair accept the right draft steps? With the decoder's rule a(s) = min(1, p/q), 0 where
+    p/q falls below ``min_ratio`` (``decode.min_ratio``; 0: the paper's rule): the true-accept rate (mean
+    a over steps the target shares), the false-accept rate (mean a over steps it does not), the AUROC of
+    p/q for shared vs not shared and, beside it, of p alone (whether dividing by the draft's q helps; NaN
+    where a side is empty)."""
     p, q, shared = np.asarray(p, dtype=float), np.asarray(q, dtype=float), np.asarray(shared, dtype=bool)
     ratio = p / np.maximum(q, 1e-9)  # q = 0 only for a step its own model never says: accept
-    accept = np.minimum(1.0, ratio)
+    accept = np.minimum(1.0, ratio) * (ratio >= min_ratio)
     both = 0 < shared.mean() < 1 if len(shared) else False
     return {
         "true_accept": float(accept[shared].mean()) if shared.any() else float("nan"),
         "false_accept": float(accept[~shared].mean()) if (~shared).any() else float("nan"),
         "auroc": float(roc_auc_score(shared, ratio)) if both else float("nan"),
+        "auroc_p": float(roc_auc_score(shared, p)) if both else float("nan"),
         "n_shared": int(shared.sum()),
         "n_not_shared": int((~shared).sum()),
     }
+
+
+# the routing metrics logged on each probe run, beside its MSE
+ROUTING_LOGGED = (
+    "true_accept", "false_accept", "auroc", "auroc_p", "min_ratio", "true_accept_at_min_ratio",
+    "false_accept_at_min_ratio",
+)  # fmt: skip
+
+
+def choose_min_ratio(p: np.ndarray, q: np.ndarray, shared: np.ndarray) -> float | None:
+    """The ``min_ratio`` that best separates these (validation) draft steps under the rule of
+    ``routing_metrics``: the floor on p/q with the largest true-accept minus false-accept rate, the
+    smallest such (0, the paper's rule, when no floor does better). None where the steps lack a side."""
+    shared = np.asarray(shared, dtype=bool)
+    if not 0 < shared.mean() < 1:
+        return None
+    ratio = np.asarray(p, dtype=float) / np.maximum(np.asarray(q, dtype=float), 1e-9)
+    accept = np.minimum(1.0, ratio)
+    floors = np.unique(np.concatenate([[0.0], ratio]))  # ascending: ties keep the smallest
+    gaps = [
+        accept[shared & (ratio >= t)].sum() / shared.sum()
+        - accept[~shared & (ratio >= t)].sum() / (~shared).sum()
+        for t in floors
+    ]
+    return float(floors[int(np.argmax(gaps))])
 
 
 @dataclass
@@ -330,19 +360,35 @@ def load_routing_data(
 
 
 def routing_table(
-    data: RoutingData, probes: dict[str, dict[str, nn.Module]], test_questions: set[str]
+    data: RoutingData,
+    probes: dict[str, dict[str, nn.Module]],
+    test_questions: set[str],
+    val_questions: set[str] = frozenset(),
 ) -> dict[str, dict[str, float]]:
     """Routing metrics on the test questions' draft-written steps for every variant with both probes
-    (``probes``: variant -> role -> probe), and for the oracle (the true shares in place of p and q)."""
+    (``probes``: variant -> role -> probe), and for the oracle (the true shares in place of p and q). With
+    ``val_questions``, each variant also gets the ``min_ratio`` chosen on their draft steps
+    (``choose_min_ratio``) and the test rates under it (``*_at_min_ratio``), so a stricter rule is judged
+    on steps it was not chosen on."""
     te = np.isin(data.question_id, sorted(test_questions))
-    shared = data.share_target[te] > 0
+    va = np.isin(data.question_id, sorted(val_questions))
+    shared = data.share_target > 0
     out = {}
     for variant, pair in probes.items():
         if set(pair) == {"draft", "target"}:
-            p = predict(pair["target"], data.p_x[variant][te])
-            q = predict(pair["draft"], data.q_x[variant][te])
-            out[variant] = routing_metrics(p, q, shared)
-    out["oracle"] = routing_metrics(data.share_target[te], data.share_draft[te], shared)
+            p = predict(pair["target"], data.p_x[variant][te | va])
+            q = predict(pair["draft"], data.q_x[variant][te | va])
+            on_te, on_va = te[te | va], va[te | va]
+            out[variant] = routing_metrics(p[on_te], q[on_te], shared[te])
+            floor = choose_min_ratio(p[on_va], q[on_va], shared[va])
+            if floor is not None:
+                strict = routing_metrics(p[on_te], q[on_te], shared[te], floor)
+                out[variant] |= {
+                    "min_ratio": floor,
+                    "true_accept_at_min_ratio": strict["true_accept"],
+                    "false_accept_at_min_ratio": strict["false_accept"],
+                }
+    out["oracle"] = routing_metrics(data.share_target[te], data.share_draft[te], shared[te])
     return out
 
 
@@ -719,11 +765,12 @@ def _routing(
     if data is None:
         return None
     tests = [set(t.data.question_id[t.masks["test"]].tolist()) for (r, _), t in keys.items()]
+    vals = [set(t.data.question_id[t.masks["val"]].tolist()) for (r, _), t in keys.items()]
     probes: dict[str, dict[str, nn.Module]] = {}
     for (role, variant), t in keys.items():
         t.fit(log_epochs=False)  # fitted already (tracked or kept): a no-op
         probes.setdefault(variant, {})[role] = t.probe
-    table = routing_table(data, probes, set.intersection(*tests))
+    table = routing_table(data, probes, set.intersection(*tests), set.intersection(*vals))
     for name, m in table.items():
         log.info("train: routing %s: %s", name, {k: round(v, 3) for k, v in m.items()})
     return table
@@ -736,8 +783,8 @@ def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, 
     for (_, key), t in trained.items():
         m = routing.get(key)
         if m is not None and t.run_id is not None:
-            for name in ("true_accept", "false_accept", "auroc"):
-                if np.isfinite(m[name]):
+            for name in ROUTING_LOGGED:
+                if np.isfinite(m.get(name, float("nan"))):
                     client.log_metric(t.run_id, f"routing_{name}", m[name])
     mlflow.log_metrics(
         {f"routing_{v}_{k}": x for v, m in routing.items() for k, x in m.items() if np.isfinite(x)}

@@ -843,6 +843,27 @@ def test_routing_metrics_on_hand_made_predictions():
         one_side["true_accept"] == 1.0 and np.isnan(one_side["false_accept"]) and np.isnan(one_side["auroc"])
     )
     assert routing_metrics(np.zeros(1), np.zeros(1), np.array([False]))["false_accept"] == 0.0
+    # p alone ranks these perfectly; the draft's q (high on the shared ones) makes p/q rank them worse
+    shared = np.array([True, True, False, False])
+    m = routing_metrics(np.array([0.8, 0.7, 0.3, 0.2]), np.array([0.9, 0.9, 0.2, 0.9]), shared)
+    assert m["auroc_p"] == 1.0 and m["auroc"] == 0.5
+    p = np.array([0.8, 0.7, 0.3, 0.2])  # p/q 1.6, 1.4 (shared); 0.6, 0.4 (not)
+    plain, floor = (routing_metrics(p, np.full(4, 0.5), shared, min_ratio=f) for f in (0.0, 1.0))
+    assert plain["true_accept"] == floor["true_accept"] == 1.0
+    assert plain["false_accept"] == pytest.approx(0.5) and floor["false_accept"] == 0.0, "refused below 1.0"
+
+
+def test_the_min_ratio_is_the_floor_that_best_separates_the_steps():
+    from semspec.tasks.train import choose_min_ratio
+
+    shared = np.array([True, True, True, False, False, False])
+    q = np.full(6, 0.5)
+    # the not-shared steps reach p/q 1.0 and 0.8, the shared ones 1.6 to 1.2: a floor at 1.2 refuses them all
+    p = np.array([0.8, 0.7, 0.6, 0.5, 0.4, 0.1])
+    assert choose_min_ratio(p, q, shared) == pytest.approx(1.2)
+    # separated already by min(1, p/q) (the not-shared ones near 0): no floor does better than 0
+    assert choose_min_ratio(np.array([0.8, 0.7, 0.6, 0.0, 0.0, 0.0]), q, shared) == 0.0
+    assert choose_min_ratio(p, q, np.ones(6, dtype=bool)) is None, "no side to refuse"
 
 
 def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
@@ -852,8 +873,10 @@ def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
     assert set(routing) == {"last", "all", "mix", "random", "oracle"}
     for m in routing.values():
         assert m["n_shared"] + m["n_not_shared"] > 0
-        for k in ("true_accept", "false_accept"):
-            assert np.isnan(m[k]) or 0 <= m[k] <= 1
+        for k in ("true_accept", "false_accept", "true_accept_at_min_ratio", "false_accept_at_min_ratio"):
+            assert np.isnan(m.get(k, np.nan)) or 0 <= m[k] <= 1
+        if "min_ratio" in m:  # chosen on the validation questions' steps where they have both kinds
+            assert m["min_ratio"] >= 0 and m["true_accept_at_min_ratio"] <= m["true_accept"]
     oracle = routing["oracle"]
     # the oracle accepts every shared step with its true ratio and never a step the target does not say
     assert oracle["false_accept"] == 0.0 or np.isnan(oracle["false_accept"])
