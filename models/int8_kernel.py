@@ -291,11 +291,11 @@ class _Kernel:
     def __call__(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``(x (M, K) @ unpack(q).T) * scales`` in x's dtype, for ``q`` from ``pack``."""
         m, k = x.shape
-        n = q.shape[0] * q.shape[2]
         if q.dim() != 4 or q.shape[1] * q.shape[3] != k:
             raise ValueError(
                 f"the int8 kernel takes weights from pack() for K={k}, got shape {tuple(q.shape)}"
             )
+        n = q.shape[0] * q.shape[2]
         y = torch.empty(m, n, dtype=x.dtype)  # (M, N)
         threads = torch.get_num_threads()
         self.fns[x.dtype](x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), threads)

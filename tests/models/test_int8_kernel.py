@@ -133,6 +133,9 @@ def test_packing_keeps_every_weight_and_refuses_a_shape_it_cannot_take():
     assert torch.equal(int8_kernel.unpack(packed), q)
     with pytest.raises(ValueError, match=r"shape \(24, 40\) cannot be packed: N must divide by 8, K by 16"):
         int8_kernel.pack(q[:, :40])
+    kernel = int8_kernel._Kernel({}, "AVX2")
+    with pytest.raises(ValueError, match=r"takes weights from pack\(\) for K=48, got shape \(24, 48\)"):
+        kernel(torch.zeros(1, 48), q, torch.ones(24))  # PyTorch's layout, not the kernel's
 
 
 def test_a_packed_layer_turned_off_after_loading_still_multiplies(fresh, monkeypatch):
