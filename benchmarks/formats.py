@@ -35,7 +35,7 @@ import torch
 
 from semspec.models import attention, decode_layer, int8_kernel
 from semspec.models.decoding import DecodeSettings
-from semspec.models.formats import DENSE_DTYPES, QuantLinear, cpu_info
+from semspec.models.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.grading import grade
 from semspec.models.lm import LM, load_lm
 from semspec.models.project import load_pair
@@ -77,6 +77,7 @@ SUFFIXES = {
     "-torch": ("SEMSPEC_INT8_KERNEL", "0"),
     "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0"),
     "-layer": ("SEMSPEC_DECODE_LAYER", "0"),
+    "-plain": ("SEMSPEC_ONEDNN_PACK", "0"),
 }
 
 
@@ -117,6 +118,8 @@ def _kernel(fmt_name: str, off: dict[str, str]) -> str:
         return " [SDPA decode]"
     if "SEMSPEC_DECODE_LAYER" in off:
         return " [modules decode]"
+    if "SEMSPEC_ONEDNN_PACK" in off:
+        return " [plain dense copy]"
     if fmt_name != "int8":
         return ""
     return " [torch op]" if off or int8_kernel.int8_mm() is None else " [semspec kernel]"
@@ -197,26 +200,30 @@ def speed(a: argparse.Namespace) -> None:
 
 def layer(a: argparse.Namespace) -> None:
     """One linear layer of the 1.5B (1536 -> 8960), 28 distinct copies so its weights come from memory. The
-    int8 column is what the format runs (semspec's kernel up to the format's dense rows, a dense GEMM above);
-    the last two run each int8 kernel at every row count: PyTorch's op on its own layout, semspec's on its
-    packed one."""
-    from semspec.models.formats import Format
+    int8 and int4 columns are what those formats run on this CPU (``resolve_format``: the int kernel up to
+    the format's dense rows, a dense GEMM above); "bf16 oneDNN" is bfloat16 with the weight packed once
+    in oneDNN's layout (``onednn_pack``, the quantized formats' dense copy where the CPU has native
+    bfloat16); the last two run each int8 kernel at every row count: PyTorch's op on its own layout,
+    semspec's on its packed one."""
+    from semspec.models.formats import onednn_linear, onednn_pack, resolve_format
 
     k, n, copies = 1536, 8960, 28
     torch.manual_seed(0)
     dense = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
     fp32 = [torch.nn.Linear(k, n, bias=False) for _ in range(copies // 2)]
-    quant = {name: [QuantLinear(d, Format(name, torch.bfloat16)) for d in dense] for name in ("int8", "int4")}
+    formats = {name: resolve_format(name) for name in ("int8", "int4")}
+    quant = {name: [QuantLinear(d, fmt) for d in dense] for name, fmt in formats.items()}
+    packed = [p for p in (onednn_pack(d.weight.detach()) for d in dense) if p is not None]
     with kernels_off(_split("int8-torch")[1]):  # int8 in PyTorch's layout (the kernel packs its own)
         plain = [QuantLinear(d, Format("int8", torch.bfloat16)) for d in dense]
     print(
         f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per call of one {k}->{n} layer;"
-        f" int8: {int8_kernel.describe()}"
+        f" {int8_kernel.describe()}; " + "; ".join(f"{name}: {fmt.label()}" for name, fmt in formats.items())
     )
     kernel = int8_kernel.int8_mm()
     print(
-        f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'int8':>9s} {'int4':>9s} {'torch op':>9s}"
-        f" {'kernel' if kernel is None else 'kernel (' + kernel.isa + ')':>15s}"
+        f"{'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'bf16 oneDNN':>12s} {'int8':>9s} {'int4':>9s}"
+        f" {'torch op':>9s} {'kernel' if kernel is None else 'kernel (' + kernel.isa + ')':>15s}"
     )
     with torch.inference_mode():
         for m in a.rows:
@@ -224,6 +231,7 @@ def layer(a: argparse.Namespace) -> None:
             xb = x.bfloat16()
             cells = [_best(lambda x=x: [f(x) for f in fp32]) / len(fp32)]
             cells.append(_best(lambda xb=xb: [f(xb) for f in dense]) / copies)
+            onednn = _best(lambda xb=xb: [onednn_linear(xb, p) for p in packed]) / copies if packed else None
             cells += [_best(lambda q=q, xb=xb: [f(xb) for f in q]) / copies for q in quant.values()]
             with kernels_off(_split("int8-torch")[1]):  # PyTorch's op for every int8 call
                 cells.append(_best(lambda xb=xb: [f(xb) for f in plain]) / copies)
@@ -232,7 +240,9 @@ def layer(a: argparse.Namespace) -> None:
                     _best(lambda xb=xb: [kernel(xb, f.qweight, f.scales) for f in quant["int8"]]) / copies
                 )
             print(
-                f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells[:5]),
+                f"{m:5d} " + " ".join(f"{1000 * c:9.2f}" for c in cells[:2]),
+                f"{'n/a' if onednn is None else f'{1000 * onednn:.2f}':>12s}",
+                " ".join(f"{1000 * c:9.2f}" for c in cells[2:5]),
                 *(f"{1000 * c:15.2f}" for c in cells[5:]),
                 flush=True,
             )

@@ -189,7 +189,10 @@ def unfit(layer: nn.Module) -> str | None:
     if not all(isinstance(p, QuantLinear) and p.bits == 8 and p.act == torch.bfloat16 for p in projs):
         return "not every projection is int8 with bfloat16 activations"
     if not all(p.packed for p in projs):
-        return "not every projection is packed for the int8 kernel (a width not a multiple of 16)"
+        return (
+            "not every projection is packed for the int8 kernel (the kernel was off when the model loaded, "
+            "or a projection's input width is not a multiple of 16 or its output width not a multiple of 8)"
+        )
     if any(p.bias is not None for p in projs[3:]):
         return "o, gate, up or down has a bias"
     if getattr(attn, "sliding_window", None) is not None:

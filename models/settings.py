@@ -50,6 +50,7 @@ class Settings:
     int8_kernel: str  # SEMSPEC_INT8_KERNEL: auto (default), avx512, avx2 (that build), 0 (PyTorch's op)
     decode_attention: str  # SEMSPEC_DECODE_ATTENTION: auto (default; semspec's kernel), 0 (SDPA)
     decode_layer: str  # SEMSPEC_DECODE_LAYER: auto (default; semspec's layer kernel), 0 (the modules)
+    onednn_pack: str  # SEMSPEC_ONEDNN_PACK: auto (default; dense copies in oneDNN's layout), 0 (plain)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -70,6 +71,7 @@ class Settings:
             int8_kernel=_choice(env, "SEMSPEC_INT8_KERNEL", ("auto", "avx512", "avx2", "0")),
             decode_attention=_choice(env, "SEMSPEC_DECODE_ATTENTION", ("auto", "0")),
             decode_layer=_choice(env, "SEMSPEC_DECODE_LAYER", ("auto", "0")),
+            onednn_pack=_choice(env, "SEMSPEC_ONEDNN_PACK", ("auto", "0")),
         )
 
 

@@ -4,14 +4,17 @@ float32, and a clear error for every bad value."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 
+from semspec.models import formats
 from semspec.models.formats import (
     CpuInfo,
     Format,
     QuantLinear,
+    onednn_pack,
     quantize_int4,
     quantize_int8,
     quantize_model,
@@ -19,6 +22,7 @@ from semspec.models.formats import (
 )
 from semspec.models.lm import LM
 from semspec.models.pair import ModelSpec
+from semspec.models.settings import Settings, reload_settings
 from tests.helpers.tiny import tiny_lm
 
 AVX2 = CpuInfo("AVX2", frozenset({"avx", "avx2", "fma"}))
@@ -124,6 +128,43 @@ def test_a_quantized_layer_runs_few_rows_through_its_kernel_and_many_rows_dense_
     assert torch.allclose(q(few), few @ exact.t() + lin.bias, atol=1e-5)
     assert torch.allclose(q(many), many @ exact.t() + lin.bias, atol=1e-5)
     assert not torch.allclose(q(many), lin(many), atol=1e-4), "int8 weights, not the original ones"
+
+
+ONEDNN_BF16 = onednn_pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+
+
+def test_a_bfloat16_dense_copy_is_held_once_in_onednns_layout_and_multiplies_the_same_weights(monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    fmt = Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
+    monkeypatch.setenv("SEMSPEC_ONEDNN_PACK", "0")
+    reload_settings()
+    plain = QuantLinear(lin, fmt)
+    monkeypatch.delenv("SEMSPEC_ONEDNN_PACK")
+    reload_settings()
+    q = QuantLinear(lin, fmt)
+    assert plain.dense is not None and plain._dense_packed is None, "SEMSPEC_ONEDNN_PACK=0: the plain copy"
+    assert torch.equal(q.dense_weight(), plain.dense), "the same dequantized weights, whatever the layout"
+    if not ONEDNN_BF16:
+        assert q.dense is not None and q._dense_packed is None, "no oneDNN bfloat16 here: the plain copy"
+        return
+    assert q.dense is None and q._dense_packed is not None, "one copy, in oneDNN's layout"
+    calls = []
+    real = formats.onednn_linear
+    monkeypatch.setattr(formats, "onednn_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    many = torch.randn(2, 5, 64).to(torch.bfloat16)  # 10 rows: dense
+    got, want = q(many), plain(many)
+    assert calls == [10], "a many-row call multiplies the packed copy"
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    q(many[:, :2])  # 4 rows: the int kernel
+    assert calls == [10]
+    for twin in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
+        assert twin._dense_packed is not None and torch.equal(twin(many), got), "copies repack their own"
+
+
+def test_a_bad_onednn_setting_names_its_variable():
+    with pytest.raises(ValueError, match="SEMSPEC_ONEDNN_PACK"):
+        Settings.from_env({"SEMSPEC_ONEDNN_PACK": "yes"})
 
 
 def test_an_int4_layers_dense_copy_is_its_int_weights():
