@@ -170,18 +170,27 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
 
 
 # ----------------------------------------------------------------------------------- quantized layers
-def quantize_int8(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    weight: torch.Tensor, chunk: int = 2048, dense: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per output channel
-    (``w ≈ q * scale``). Done in row chunks so each stays in cache."""
+    (``w ≈ q * scale``); with ``dense``, also the int weights dequantized (``q * scale`` in float32,
+    then cast to ``dense``), (N, K). Done in row chunks, in one pass over the weight, so each chunk
+    stays in cache (loading the 1.5B took ~15 s in separate passes)."""
     n = weight.shape[0]
     q = torch.empty(weight.shape, dtype=torch.int8)
     scale = torch.empty(n, dtype=torch.float32)
+    back = None if dense is None else torch.empty(weight.shape, dtype=dense)
     for s in range(0, n, chunk):
-        blk = weight[s : s + chunk].to(torch.float32, copy=True)  # (c, K), divided in place below
-        sc = blk.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (c,)
-        q[s : s + chunk] = blk.div_(sc[:, None]).round_().clamp_(-127, 127)
+        blk = weight[s : s + chunk].to(torch.float32, copy=True)  # (c, K), rewritten in place below
+        top = torch.maximum(blk.amax(dim=1), blk.amin(dim=1).neg_())  # (c,) max |w| (4x abs().amax's speed)
+        sc = top.clamp_min_(1e-12) / 127.0  # (c,)
+        blk.div_(sc[:, None]).round_().clamp_(-127, 127)  # the int values, exactly, as float32
+        q[s : s + chunk] = blk
         scale[s : s + chunk] = sc
-    return q, scale
+        if back is not None:
+            back[s : s + chunk] = blk.mul_(sc[:, None])  # q * scale, as _dequantize computes it
+    return (q, scale) if back is None else (q, scale, back)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,8 +222,10 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.act), False)
         # int8 weights in the kernel's packed layout where it runs here and the shape fits, else PyTorch's
         self.packed = False
+        dense = None
         if self.bits == 8:
-            q, scale = quantize_int8(weight)
+            q, scale, *held = quantize_int8(weight, dense=self.act if fmt.dense_copy else None)
+            dense = held[0] if held else None
             self.packed = int8_kernel.packable(*q.shape) and int8_kernel.int8_mm() is not None
             q_stored = int8_kernel.pack(q) if self.packed else q  # (N/8, K/16, 8, 16) packed, else (N, K)
             self.register_buffer("qweight", q_stored)
@@ -226,7 +237,8 @@ class QuantLinear(nn.Module):
         # the dense copy holds the int weights dequantized, not the original ones: every call, whichever
         # kernel runs it, multiplies by the same weights (up to the activation dtype's rounding), so a step
         # decoded token by token and the same step prefilled pool alike, as in a dense format
-        dense = _dequantize(q, scale if self.bits == 8 else sz).to(self.act) if fmt.dense_copy else None
+        if self.bits == 4 and fmt.dense_copy:
+            dense = _dequantize(q, sz).to(self.act)
         # held once: in oneDNN's blocked layout where it takes it (not a buffer: an opaque tensor), else plain
         self._dense_packed = None if dense is None else onednn_pack(dense)
         plain = dense if self._dense_packed is None else None

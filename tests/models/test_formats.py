@@ -113,6 +113,17 @@ def test_int8_and_int4_quantization_round_trip_within_their_grids():
     assert torch.equal(w, w0), "quantizing leaves the weight as it was"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_quantization_gives_its_dense_copy_in_the_same_pass_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(40, 64, dtype=torch.bfloat16) * torch.logspace(-3, 1, 40)[:, None].to(torch.bfloat16)
+    q, scale = quantize_int8(w, chunk=16)  # chunks that do not divide the rows
+    q2, scale2, dense = quantize_int8(w, chunk=16, dense=dtype)
+    assert torch.equal(q, q2) and torch.equal(scale, scale2)
+    assert torch.equal(scale, w.float().abs().amax(dim=1) / 127.0), "the scale is max |w| / 127"
+    assert dense.dtype == dtype and torch.equal(dense, (q.float() * scale[:, None]).to(dtype))
+
+
 @pytest.mark.parametrize("dense_copy", [True, False])
 def test_a_quantized_layer_runs_few_rows_through_its_kernel_and_many_rows_dense_on_the_same_weights(
     dense_copy,
