@@ -4,6 +4,7 @@
     python benchmarks/formats.py attention                  # one decode call's attention, by context
     python benchmarks/formats.py speed [--pair qwen-coder] [--formats bfloat16 float32 int8 int8-torch int4]
     python benchmarks/formats.py quality [--pair qwen-coder] [--n 40] [--formats bfloat16 int8]
+    python benchmarks/formats.py split [--pair qwen-coder]      # where one decode token goes, by part
 
 ``speed`` loads each model of the pair in each format (``semspec.models.lm.load_lm``, the product's own
 calls: hidden states kept, pooled as decoding pools) and prints decode ms/token for 1 row, one decode
@@ -18,7 +19,10 @@ every figure. ``int8-torch`` is int8 with decoding calls through PyTorch's ``_we
 of semspec's kernel (``models/int8_kernel.py``), to compare the two in one run; a ``-sdpa`` suffix (e.g.
 ``int8-sdpa``) decodes with transformers' SDPA attention instead of semspec's decode attention
 (``models/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
-(the defaults: the 0.5B's and the 1.5B's) and context length.
+(the defaults: the 0.5B's and the 1.5B's) and context length. ``split`` decodes with each model in
+``auto`` and times the parts of each token inside ``LM.forward``: the decode layers' two C calls
+(``layer_in``, ``layer_out``, summed over the layers), decode attention, the output head, and the rest
+(Python, the cache's ``update``, hidden states), one line per pass.
 """
 
 from __future__ import annotations
@@ -318,6 +322,66 @@ def quality(a: argparse.Namespace) -> None:
         )
 
 
+@contextlib.contextmanager
+def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
+    """Add the seconds spent in each part of a decode call to ``spent`` while inside."""
+
+    def timed(fn, part: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[part] += time.perf_counter() - t
+            return out
+
+        return call
+
+    kernel, attend, head = (
+        decode_layer.layer_kernel,
+        attention.decode_attention,
+        lm.model.get_output_embeddings(),
+    )
+    fns = kernel()
+    if fns is not None:
+        timed_fns = (timed(fns[0], "layer_in"), timed(fns[1], "layer_out"))
+        decode_layer.layer_kernel = lambda: timed_fns
+    attention.decode_attention = timed(attend, "attention")
+    head.forward = timed(head.forward, "head")
+    try:
+        yield
+    finally:
+        decode_layer.layer_kernel, attention.decode_attention = kernel, attend
+        del head.forward  # the class's own again
+
+
+@torch.inference_mode()
+def split(a: argparse.Namespace) -> None:
+    print(f"cpu: {cpu_info().label()}, threads {torch.get_num_threads()}; ms per decode token, 1 row")
+    parts = ("layer_in", "layer_out", "attention", "head")
+    print(f"{'model':42s} {'format':30s} {'total':>7s} " + " ".join(f"{p:>9s}" for p in (*parts, "rest")))
+    pair = load_pair(a.pair)
+    for role in ("draft", "target"):
+        lm = load_lm(dataclasses.replace(pair.role(role), dtype="auto"))
+        state = lm.prefill(lm.format_prompt(CONTEXT))
+        for n in range(a.passes + 1):  # the first pass warms up
+            spent = dict.fromkeys(parts, 0.0)
+            cache, nxt = state.clone().cache, torch.tensor([[int(state.logits.argmax())]])
+            with _timing_parts(lm, spent):
+                t = time.perf_counter()
+                for _ in range(a.tokens):
+                    logits, _, cache = lm.forward(nxt, cache)
+                    nxt = logits[:, -1].argmax(-1, keepdim=True)
+                total = time.perf_counter() - t
+            ms = {k: 1000 * v / a.tokens for k, v in spent.items()}
+            ms["rest"] = 1000 * total / a.tokens - sum(ms.values())
+            if n > 0:
+                print(
+                    f"{lm.model_id[:42]:42s} {lm.dtype_name[:30]:30s} {1000 * total / a.tokens:7.2f} "
+                    + " ".join(f"{ms[p]:9.2f}" for p in (*parts, "rest")),
+                    flush=True,
+                )
+        del lm
+
+
 def _prefix(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists."""
     n = 0
@@ -345,13 +409,18 @@ def main() -> None:
     q.add_argument("--batch", type=int, default=8)
     q.add_argument("--max-new-tokens", type=int, default=512)
     q.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
+    sp = sub.add_parser("split")
+    sp.add_argument("--pair", default="qwen-coder")
+    sp.add_argument("--tokens", type=int, default=48)
+    sp.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()
     if getattr(a, "formats", None):
         bad = [f for f in a.formats if _split(f)[0] not in (*DENSE_DTYPES, "int8", "int4", "auto")]
         bad += [f for f in a.formats if f.endswith("-torch") and _split(f)[0] != "int8"]
         if bad:
             ap.error(f"unknown format(s) {bad}")
-    {"speed": speed, "layer": layer, "attention": attention_cost, "quality": quality}[a.what](a)
+    fns = {"speed": speed, "layer": layer, "attention": attention_cost, "quality": quality, "split": split}
+    fns[a.what](a)
 
 
 if __name__ == "__main__":

@@ -228,3 +228,25 @@ def test_a_float_model_loads_without_building_the_kernel(monkeypatch):
 
     monkeypatch.setattr(decode_layer, "layer_kernel", build_called)
     assert decode_layer.install(tiny_lm().model) == 0
+
+
+def test_the_split_benchmark_times_each_part_and_puts_everything_back():
+    """``benchmarks/formats.py split``: while timing, every part of a decode call is timed and the call
+    computes what it computes untimed; afterwards the kernels, attention and head are the models' own."""
+    from benchmarks.formats import _timing_parts
+
+    lm = _int8_lm("qwen2")
+    state = lm.prefill("3 + 4 = ")
+    nxt = torch.tensor([[int(state.logits.argmax())]])
+    plain, _, _ = lm.forward(nxt, state.clone().cache)
+    spent = dict.fromkeys(("layer_in", "layer_out", "attention", "head"), 0.0)
+    kernel, attend = decode_layer.layer_kernel, attention.decode_attention
+    with _timing_parts(lm, spent):
+        timed, _, _ = lm.forward(nxt, state.clone().cache)
+    assert all(v > 0 for v in spent.values()), spent
+    assert torch.equal(timed, plain)
+    assert (decode_layer.layer_kernel, attention.decode_attention) == (kernel, attend)
+    assert "forward" not in vars(lm.model.get_output_embeddings())
+    before = dict(spent)
+    lm.forward(nxt, state.clone().cache)
+    assert spent == before, "nothing is timed after the block"
