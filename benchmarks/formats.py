@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -41,7 +42,7 @@ from semspec.models import attention, decode_layer, int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.grading import grade
-from semspec.models.lm import LM, load_lm
+from semspec.models.lm import LM, LMState, load_lm
 from semspec.models.project import load_pair
 from semspec.models.settings import reload_settings
 from semspec.tasks.data import generate_arith
@@ -140,6 +141,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _decode(lm: LM, start: LMState, n: int) -> None:
+    """Greedy-decode ``n`` tokens after ``start``, one row, extending its cache in place."""
+    cache, nxt = start.cache, torch.tensor([[int(start.logits.argmax())]])
+    for _ in range(n):
+        logits, _, cache = lm.forward(nxt, cache)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+
+
 @torch.inference_mode()
 def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
     """ms: decode per token (1 row; after the short prompt and after a long one), one decode forward of 8
@@ -147,13 +156,6 @@ def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
     prompt = lm.format_prompt(CONTEXT)
     state = lm.prefill(prompt)
     step = lm.continuation_ids(state.text, state.ids, STEP)
-
-    def decode_from(start, n: int = tokens):
-        cache = start.clone().cache
-        nxt = torch.tensor([[int(start.logits.argmax())]])
-        for _ in range(n):
-            logits, _, cache = lm.forward(nxt, cache)
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
 
     long = lm.prefill(lm.format_prompt(" ".join([CONTEXT] * LONG_REPEATS)))
     rows = [state.clone() for _ in range(8)]
@@ -163,8 +165,8 @@ def costs(lm: LM, tokens: int = 24) -> dict[str, float]:
         lm.forward_rows(caches, [[int(state.logits.argmax())]] * 8)
 
     return {
-        "decode": 1000 * _best(lambda: decode_from(state)) / tokens,
-        "decode_long": 1000 * _best(lambda: decode_from(long, 8)) / 8,
+        "decode": 1000 * _best(lambda: _decode(lm, state.clone(), tokens)) / tokens,
+        "decode_long": 1000 * _best(lambda: _decode(lm, long.clone(), 8)) / 8,
         "long_tokens": len(long.ids),
         "decode8": 1000 * _best(decode_eight),
         "step": 1000 * _best(lambda: lm.score_steps([state.clone()], [STEP])) / len(step),
@@ -363,14 +365,9 @@ def split(a: argparse.Namespace) -> None:
         lm = load_lm(dataclasses.replace(pair.role(role), dtype="auto"))
         state = lm.prefill(lm.format_prompt(CONTEXT))
         for n in range(a.passes + 1):  # the first pass warms up
-            spent = dict.fromkeys(parts, 0.0)
-            cache, nxt = state.clone().cache, torch.tensor([[int(state.logits.argmax())]])
+            spent, start = dict.fromkeys(parts, 0.0), state.clone()
             with _timing_parts(lm, spent):
-                t = time.perf_counter()
-                for _ in range(a.tokens):
-                    logits, _, cache = lm.forward(nxt, cache)
-                    nxt = logits[:, -1].argmax(-1, keepdim=True)
-                total = time.perf_counter() - t
+                total = _timed(functools.partial(_decode, lm, start, a.tokens))
             ms = {k: 1000 * v / a.tokens for k, v in spent.items()}
             ms["rest"] = 1000 * total / a.tokens - sum(ms.values())
             if n > 0:

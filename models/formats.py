@@ -172,10 +172,10 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
 # ----------------------------------------------------------------------------------- quantized layers
 def quantize_int8(
     weight: torch.Tensor, chunk: int = 2048, dense: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per output channel
-    (``w ≈ q * scale``); with ``dense``, also the int weights dequantized (``q * scale`` in float32,
-    then cast to ``dense``), (N, K). Done in row chunks, in one pass over the weight, so each chunk
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(N, K) float weight -> (N, K) int8, (N,) float32 scales, symmetric per output channel
+    (``w ≈ q * scale``), and with ``dense`` the int weights dequantized (``q * scale`` in float32, then
+    cast to ``dense``), (N, K), else None. Done in row chunks, in one pass over the weight, so each chunk
     stays in cache (loading the 1.5B took ~15 s in separate passes)."""
     n = weight.shape[0]
     q = torch.empty(weight.shape, dtype=torch.int8)
@@ -190,7 +190,7 @@ def quantize_int8(
         scale[s : s + chunk] = sc
         if back is not None:
             back[s : s + chunk] = blk.mul_(sc[:, None])  # q * scale, as _dequantize computes it
-    return (q, scale) if back is None else (q, scale, back)
+    return q, scale, back
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,10 +222,11 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.act), False)
         # int8 weights in the kernel's packed layout where it runs here and the shape fits, else PyTorch's
         self.packed = False
-        dense = None
+        # the dense copy holds the int weights dequantized, not the original ones: every call, whichever
+        # kernel runs it, multiplies by the same weights (up to the activation dtype's rounding), so a step
+        # decoded token by token and the same step prefilled pool alike, as in a dense format
         if self.bits == 8:
-            q, scale, *held = quantize_int8(weight, dense=self.act if fmt.dense_copy else None)
-            dense = held[0] if held else None
+            q, scale, dense = quantize_int8(weight, dense=self.act if fmt.dense_copy else None)
             self.packed = int8_kernel.packable(*q.shape) and int8_kernel.int8_mm() is not None
             q_stored = int8_kernel.pack(q) if self.packed else q  # (N/8, K/16, 8, 16) packed, else (N, K)
             self.register_buffer("qweight", q_stored)
@@ -234,11 +235,7 @@ class QuantLinear(nn.Module):
             q, sz = quantize_int4(weight)
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             self.register_buffer("scales", sz.to(self.act))  # (K / group, N, 2)
-        # the dense copy holds the int weights dequantized, not the original ones: every call, whichever
-        # kernel runs it, multiplies by the same weights (up to the activation dtype's rounding), so a step
-        # decoded token by token and the same step prefilled pool alike, as in a dense format
-        if self.bits == 4 and fmt.dense_copy:
-            dense = _dequantize(q, sz).to(self.act)
+            dense = _dequantize(q, sz).to(self.act) if fmt.dense_copy else None
         # held once: in oneDNN's blocked layout where it takes it (not a buffer: an opaque tensor), else plain
         self._dense_packed = None if dense is None else onednn_pack(dense)
         plain = dense if self._dense_packed is None else None

@@ -100,7 +100,8 @@ def test_every_bad_format_is_an_error_naming_the_field(fields, msg):
 def test_int8_and_int4_quantization_round_trip_within_their_grids():
     torch.manual_seed(0)
     w = torch.randn(48, 64)
-    q, scale = quantize_int8(w)
+    q, scale, dense = quantize_int8(w)
+    assert dense is None, "no dense copy unless asked"
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert float((q.float() * scale[:, None] - w).abs().max()) <= float(scale.max()) / 2 + 1e-6
     q4, sz = quantize_int4(w)
@@ -117,9 +118,9 @@ def test_int8_and_int4_quantization_round_trip_within_their_grids():
 def test_int8_quantization_gives_its_dense_copy_in_the_same_pass_bit_for_bit(dtype):
     torch.manual_seed(0)
     w = torch.randn(40, 64, dtype=torch.bfloat16) * torch.logspace(-3, 1, 40)[:, None].to(torch.bfloat16)
-    q, scale = quantize_int8(w, chunk=16)  # chunks that do not divide the rows
+    q, scale, none = quantize_int8(w, chunk=16)  # chunks that do not divide the rows
     q2, scale2, dense = quantize_int8(w, chunk=16, dense=dtype)
-    assert torch.equal(q, q2) and torch.equal(scale, scale2)
+    assert none is None and torch.equal(q, q2) and torch.equal(scale, scale2)
     assert torch.equal(scale, w.float().abs().amax(dim=1) / 127.0), "the scale is max |w| / 127"
     assert dense.dtype == dtype and torch.equal(dense, (q.float() * scale[:, None]).to(dtype))
 
