@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from semspec.models import int8_kernel
-from semspec.models.formats import Format, QuantLinear, cpu_info
+from semspec.models.formats import Format, QuantLinear, cpu_info, quantize_model
 
 BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
@@ -118,11 +118,25 @@ def test_a_quantized_layer_sends_its_int8_calls_to_the_kernel(monkeypatch):
     for rows in (1, 2, 3, 12):  # 12: dense
         layer(torch.randn(rows, 64).to(torch.bfloat16))
     assert calls == [1, 2, 3], "the kernel for every call of up to dense_rows rows, a dense GEMM above"
-    odd = QuantLinear(torch.nn.Linear(40, 12), Format("int8", torch.bfloat16, dense_rows=8))
-    assert not odd.packed and odd.qweight.shape == (12, 40), "a shape the layout does not take"
-    x = torch.randn(1, 40).to(torch.bfloat16)
+    odd = QuantLinear(torch.nn.Linear(48, 12), Format("int8", torch.bfloat16, dense_rows=8))
+    assert not odd.packed and odd.qweight.shape == (12, 48), "12 outputs: a shape the layout does not take"
+    x = torch.randn(1, 48).to(torch.bfloat16)
     assert torch.equal(odd(x), torch.ops.aten._weight_int8pack_mm(x, odd.qweight, odd.scales) + odd.bias)
     assert calls == [1, 2, 3], "PyTorch's op serves it"
+
+
+@pytest.mark.parametrize("width", [8, 24, 40, 100])
+def test_an_input_width_no_int8_kernel_takes_stays_dense(width):
+    # PyTorch's op, the only other int8 kernel, returns garbage or NaN for such a width and crashes on
+    # several rows (torch 2.13, CPU): such a layer is refused, and a model keeps it dense
+    fmt = Format("int8", torch.bfloat16, dense_rows=8)
+    with pytest.raises(
+        ValueError, match=f"{width} -> 16 linear layer: int8 needs an input width that is a multiple of 16"
+    ):
+        QuantLinear(torch.nn.Linear(width, 16), fmt)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Linear(32, 16))
+    assert quantize_model(model, fmt) == 1
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[1], QuantLinear)
 
 
 def test_packing_keeps_every_weight_and_refuses_a_shape_it_cannot_take():
