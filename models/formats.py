@@ -371,8 +371,8 @@ def _fits(linear: nn.Linear, fmt: Format) -> bool:
 
 def _unfit(n: int, k: int, fmt: Format) -> str | None:
     """Why a (N, K) weight cannot be quantized to ``fmt`` (None when it can)."""
-    if fmt.name == "int4" and (k % INT4_GROUP or n % 8):
-        return f"int4 needs an input width that is a multiple of {INT4_GROUP} and an output width that is a multiple of 8"
+    if fmt.name == "int4" and (k % INT4_GROUP or n % 16):  # 16: what torch's int4 packing takes
+        return f"int4 needs an input width that is a multiple of {INT4_GROUP} and an output width that is a multiple of 16"
     if fmt.name == "int8" and k % INT8_K_MULTIPLE:
         # PyTorch's op (torch 2.13, CPU) reads past the end of each row of a narrower width: its outputs
         # are garbage or NaN, and calls of several rows crash (tests/models/test_int8_kernel.py)

@@ -188,6 +188,17 @@ def test_an_int4_layers_dense_copy_is_its_int_weights():
     assert float((q.dense - lin.weight.detach()).abs().max()) > 1e-3, "int4 weights, not the original ones"
 
 
+@pytest.mark.parametrize(("inputs", "outputs"), [(48, 16), (64, 24), (64, 40)])
+def test_a_shape_int4s_kernel_cannot_take_stays_dense(inputs, outputs):
+    # torch's int4 packing takes output widths that are multiples of 16 only (a RuntimeError otherwise)
+    fmt = Format("int4", torch.bfloat16, dense_rows=8)
+    with pytest.raises(ValueError, match=f"{inputs} -> {outputs} linear layer: int4 needs an input width"):
+        QuantLinear(torch.nn.Linear(inputs, outputs), fmt)
+    model = torch.nn.Sequential(torch.nn.Linear(64, inputs), torch.nn.Linear(inputs, outputs))
+    assert quantize_model(model, fmt) == 1  # the first (64 -> 48 or 64) fits
+    assert type(model[1]) is torch.nn.Linear
+
+
 def _greedy(lm: LM, tokens: int = 40) -> list[int]:
     state = lm.prefill(lm.format_prompt(QUESTION))
     return lm.generate_step(state, n=1, temperature=0.0, max_tokens=tokens)[0].token_ids
@@ -197,7 +208,7 @@ def _in_format(base: LM, fmt: Format) -> LM:
     model = copy.deepcopy(base.model).to(fmt.activations)
     if fmt.quantized:
         # 7 projections per block, 2 blocks, and the head, whose 100 outputs int4's kernel cannot take
-        # (not a multiple of 8): it stays dense there
+        # (not a multiple of 16): it stays dense there
         assert quantize_model(model, fmt) == 2 * 7 + (fmt.name == "int8")
     return LM(model, base.tokenizer, base.spec, fmt)
 
