@@ -191,7 +191,7 @@ def unfit(layer: nn.Module) -> str | None:
     if not all(p.packed for p in projs):
         return (
             "not every projection is packed for the int8 kernel (the kernel was off when the model loaded, "
-            "or a projection's input width is not a multiple of 16 or its output width not a multiple of 8)"
+            "or a projection's output width is not a multiple of 8)"
         )
     if any(p.bias is not None for p in projs[3:]):
         return "o, gate, up or down has a bias"

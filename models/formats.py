@@ -56,7 +56,7 @@ QUANTIZED = ("int8", "int4")
 FORMATS = (*DENSE_DTYPES, *QUANTIZED, "auto")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of native bfloat16
 INT4_GROUP = 32  # input channels per int4 scale and zero (the kernel takes 32, 64, 128 or 256)
-INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (both int8 kernels' blocks)
+INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kernel's blocks; PyTorch's op too)
 # calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off the tables above
 # (native: where the int kernel stops beating AMX; AVX2: between the 48 rows where int8 wins and the
 # 384 where float32 wins by 2x, interpolated)
@@ -374,7 +374,7 @@ def _unfit(n: int, k: int, fmt: Format) -> str | None:
     if fmt.name == "int4" and (k % INT4_GROUP or n % 16):  # 16: what torch's int4 packing takes
         return f"int4 needs an input width that is a multiple of {INT4_GROUP} and an output width that is a multiple of 16"
     if fmt.name == "int8" and k % INT8_K_MULTIPLE:
-        # PyTorch's op (torch 2.13, CPU) reads past the end of each row of a narrower width: its outputs
-        # are garbage or NaN, and calls of several rows crash (tests/models/test_int8_kernel.py)
+        # PyTorch's op (torch 2.13, CPU) reads past the end of each row of another width: measured at
+        # widths 8, 24, 40, 72 and 100, its outputs were garbage or NaN, and calls of 8 rows crashed
         return f"int8 needs an input width that is a multiple of {INT8_K_MULTIPLE}"
     return None
