@@ -352,7 +352,7 @@ def quantize_model(model: nn.Module, fmt: Format) -> int:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if not _fits(child, fmt):
+            if _unfit(*child.weight.shape, fmt) is not None:
                 skipped.append(f"{name} {tuple(child.weight.shape)}")
                 continue
             setattr(parent, name, QuantLinear(child, fmt))
@@ -362,11 +362,6 @@ def quantize_model(model: nn.Module, fmt: Format) -> int:
             "%s: %d linear layers stay dense (shape): %s", fmt.name, len(skipped), ", ".join(skipped[:4])
         )
     return done
-
-
-def _fits(linear: nn.Linear, fmt: Format) -> bool:
-    """Whether ``fmt``'s kernels take ``linear``'s shape (see ``_unfit``)."""
-    return _unfit(*linear.weight.shape, fmt) is None
 
 
 def _unfit(n: int, k: int, fmt: Format) -> str | None:
