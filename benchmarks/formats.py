@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
-from semspec.models import attention, decode_layer, int8_kernel
+from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.grading import grade
@@ -106,6 +106,7 @@ def kernels_off(env: dict[str, str]) -> Iterator[None]:
 def _reload() -> None:
     reload_settings()
     int8_kernel.int8_mm.cache_clear()
+    int4_kernel.int4_mm.cache_clear()
     attention.attention_kernel.cache_clear()
     decode_layer.layer_kernel.cache_clear()
 
@@ -125,9 +126,10 @@ def _kernel(fmt_name: str, off: dict[str, str]) -> str:
         return " [modules decode]"
     if "SEMSPEC_ONEDNN_PACK" in off:
         return " [plain dense copy]"
-    if fmt_name != "int8":
+    if fmt_name not in ("int8", "int4"):
         return ""
-    return " [torch op]" if off or int8_kernel.int8_mm() is None else " [semspec kernel]"
+    kernel = int8_kernel.int8_mm() if fmt_name == "int8" else int4_kernel.int4_mm()
+    return " [torch op]" if off or kernel is None else " [semspec kernel]"
 
 
 def _best(fn, reps: int = 3) -> float:
@@ -342,10 +344,11 @@ def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
         attention.decode_attention,
         lm.model.get_output_embeddings(),
     )
-    fns = kernel()
+    bits = getattr(lm.model.get_output_embeddings(), "bits", 8)
+    fns = kernel(bits)
     if fns is not None:
         timed_fns = (timed(fns[0], "layer_in"), timed(fns[1], "layer_out"))
-        decode_layer.layer_kernel = lambda: timed_fns
+        decode_layer.layer_kernel = lambda *_: timed_fns
     attention.decode_attention = timed(attend, "attention")
     head.forward = timed(head.forward, "head")
     try:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from semspec.models import attention, int8_kernel
+from semspec.models import attention, int4_kernel, int8_kernel
 from semspec.models.formats import QuantLinear
 from semspec.models.settings import settings
 
@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # the layer classes whose forward this reproduces
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")  # weight * bf16(x * rsqrt(mean(x^2) + eps))
 
-SOURCE = (
-    int8_kernel.SOURCE
-    + r"""
+# the layer's products, per weight kind: qlinear (one projection, bias and bfloat16 rounding as a
+# QuantLinear) and gate_up (RMSNorm's output -> bf16(SiLU(gate) * up), the two products fused per block)
+INT8_PRODUCTS = r"""
 #include <math.h>
 #include <vector>
 
@@ -54,12 +54,79 @@ static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }  // a bf
 
 // y (M, N), bfloat16 values in float32 = bf16(bf16(x (M, K) @ q (N, K)^T * scale) + bias), as a
 // QuantLinear computes it (bias may be null)
-static void qlinear(const float* x, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,
+static void qlinear(const float* x, int64_t M, int64_t K, const void* qv, const uint16_t* scales,
                     const uint16_t* bias, int64_t N, float* y, int threads) {
-  int8_mm(x, M, K, q, [=](int64_t n) { return bf16_to_f32(scales[n]); }, N,
+  int8_mm(x, M, K, (const int8_t*)qv, [=](int64_t n) { return bf16_to_f32(scales[n]); }, N,
           [=](int64_t i, float v) { y[i] = bias ? rb(rb(v) + bf16_to_f32(bias[i % N])) : rb(v); }, threads);
 }
 
+static void gate_up(const float* px, int64_t M, int64_t H, const void* gwv, const uint16_t* gs,
+                    const void* uwv, const uint16_t* us, int64_t I, float* pa, int threads) {
+  const int8_t* gw = (const int8_t*)gwv;
+  const int8_t* uw = (const int8_t*)uwv;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < I / PJ; ++b) {  // one packed block of gate and of up channels
+    float g[PJ], u[PJ];
+    for (int64_t m = 0; m < M; ++m) {
+      dot_block<1>(px + m * H, H, gw + b * PJ * H, g);
+      dot_block<1>(px + m * H, H, uw + b * PJ * H, u);
+      for (int j = 0; j < PJ; ++j) {
+        const int64_t n = b * PJ + j;
+        const float gv = rb(g[j] * bf16_to_f32(gs[n])), uv = rb(u[j] * bf16_to_f32(us[n]));
+        pa[m * I + n] = rb(rb(gv / (1.f + expf(-gv))) * uv);
+      }
+    }
+  }
+}
+"""
+
+INT4_PRODUCTS = r"""
+#include <math.h>
+#include <vector>
+
+static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }  // a bfloat16 op's rounding
+
+// x (M, K) float32 holding bfloat16 values -> its bfloat16 copy and group sums, the int4 kernel's inputs
+struct Int4Input {
+  std::vector<uint16_t> x;
+  std::vector<float> sums;
+  Int4Input(const float* xf, int64_t M, int64_t K) : x(M * K), sums(M * (K / GROUP)) {
+    for (int64_t i = 0; i < M * K; ++i) x[i] = f32_to_bf16(xf[i]);
+    group_sums(x.data(), M, K, sums.data());
+  }
+};
+
+// y (M, N), bfloat16 values in float32 = bf16(bf16(x (M, K) @ w^T) + bias), as a QuantLinear computes it
+static void qlinear(const float* x, int64_t M, int64_t K, const void* q, const uint16_t* sz,
+                    const uint16_t* bias, int64_t N, float* y, int threads) {
+  const Int4Input in(x, M, K);
+  int4_mm(in.x.data(), in.sums.data(), M, K, (const uint8_t*)q, sz, N,
+          [=](int64_t i, float v) { y[i] = bias ? rb(rb(v) + bf16_to_f32(bias[i % N])) : rb(v); }, threads);
+}
+
+static void gate_up(const float* px, int64_t M, int64_t H, const void* gw, const uint16_t* gs,
+                    const void* uw, const uint16_t* us, int64_t I, float* pa, int threads) {
+  const Int4Input in(px, M, H);
+  const uint16_t* xb = in.x.data();
+  const float* sums = in.sums.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < I / BLOCK; ++b) {  // one packed block of gate and of up channels
+    float g[RMAX * BLOCK], u[RMAX * BLOCK];
+    for (int64_t r = 0; r < M; r += RMAX) {
+      const int64_t rows = M - r < RMAX ? M - r : RMAX;
+      block_rows(xb, r, rows, H, (const uint8_t*)gw, gs, sums, b, g);
+      block_rows(xb, r, rows, H, (const uint8_t*)uw, us, sums, b, u);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int c = 0; c < BLOCK; ++c) {
+          const float gv = rb(g[i * BLOCK + c]), uv = rb(u[i * BLOCK + c]);
+          pa[(r + i) * I + b * BLOCK + c] = rb(rb(gv / (1.f + expf(-gv))) * uv);
+        }
+    }
+  }
+}
+"""
+
+LAYER = r"""
 // transformers' RMSNorm of bfloat16 rows: weight * bf16(x * rsqrt(mean(x^2) + eps)), rounded
 static void rms_norm(const float* x, int64_t M, int64_t H, const uint16_t* w, float eps, float* out) {
   for (int64_t m = 0; m < M; ++m) {
@@ -90,7 +157,7 @@ static void rope(float* t, int64_t M, int64_t heads, int64_t D, const uint16_t* 
 // x (M, H) -> q (M, n[0]), k (M, n[1]), v (M, n[2]) in bfloat16: RMSNorm, the three products, rotary
 // positions on q and k (head dim D)
 extern "C" void semspec_layer_in(const uint16_t* x, int64_t M, int64_t H, const uint16_t* norm, float eps,
-                                 const int8_t* const* w, const uint16_t* const* s, const uint16_t* const* b,
+                                 const void* const* w, const uint16_t* const* s, const uint16_t* const* b,
                                  const int64_t* n, const uint16_t* cos, const uint16_t* sin, int64_t D,
                                  uint16_t* const* out, int threads) {
   std::vector<float> xf(M * H), xn(M * H);
@@ -107,35 +174,25 @@ extern "C" void semspec_layer_in(const uint16_t* x, int64_t M, int64_t H, const 
 // attention output a (M, A) and the layer's input x (M, H) -> the layer's output (M, H): the output
 // product, the residual, RMSNorm, SiLU(gate) * up (I wide), the down product, the residual
 extern "C" void semspec_layer_out(const uint16_t* a, const uint16_t* x, int64_t M, int64_t H, int64_t A,
-                                  const int8_t* ow, const uint16_t* os, const uint16_t* norm, float eps,
-                                  const int8_t* gw, const uint16_t* gs, const int8_t* uw, const uint16_t* us,
-                                  int64_t I, const int8_t* dw, const uint16_t* ds, uint16_t* out,
+                                  const void* ow, const uint16_t* os, const uint16_t* norm, float eps,
+                                  const void* gw, const uint16_t* gs, const void* uw, const uint16_t* us,
+                                  int64_t I, const void* dw, const uint16_t* ds, uint16_t* out,
                                   int threads) {
   std::vector<float> af(M * A), o(M * H), xn(M * H), act(M * I), d(M * H);
   for (int64_t i = 0; i < M * A; ++i) af[i] = bf16_to_f32(a[i]);
   qlinear(af.data(), M, A, ow, os, nullptr, H, o.data(), threads);
   for (int64_t i = 0; i < M * H; ++i) o[i] = rb(bf16_to_f32(x[i]) + o[i]);  // the residual stream
   rms_norm(o.data(), M, H, norm, eps, xn.data());
-  float* pa = act.data();
-  const float* px = xn.data();
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < I / PJ; ++b) {  // one packed block of gate and of up channels
-    float g[PJ], u[PJ];
-    for (int64_t m = 0; m < M; ++m) {
-      dot_block<1>(px + m * H, H, gw + b * PJ * H, g);
-      dot_block<1>(px + m * H, H, uw + b * PJ * H, u);
-      for (int j = 0; j < PJ; ++j) {
-        const int64_t n = b * PJ + j;
-        const float gv = rb(g[j] * bf16_to_f32(gs[n])), uv = rb(u[j] * bf16_to_f32(us[n]));
-        pa[m * I + n] = rb(rb(gv / (1.f + expf(-gv))) * uv);
-      }
-    }
-  }
+  gate_up(xn.data(), M, H, gw, gs, uw, us, I, act.data(), threads);
   qlinear(act.data(), M, I, dw, ds, nullptr, H, d.data(), threads);
   for (int64_t i = 0; i < M * H; ++i) out[i] = f32_to_bf16(o[i] + d[i]);
 }
 """
-)
+# the sources built, per bits of the weights: a kernel's own source, its products, the layer
+SOURCES = {
+    8: int8_kernel.SOURCE + INT8_PRODUCTS + LAYER,
+    4: int4_kernel.SOURCE + INT4_PRODUCTS + LAYER,
+}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PTRS3, _INTS3 = _P * 3, _I64 * 3
@@ -148,19 +205,23 @@ _OUT_ARGS += [ctypes.c_int]
 
 
 @functools.cache
-def layer_kernel() -> tuple[Callable, Callable] | None:
-    """The built ``(layer_in, layer_out)`` functions, or None where they are off
-    (``SEMSPEC_DECODE_LAYER=0``), the int8 kernel is off, or they cannot be built here (then every call
-    runs the modules). Built once per process, for the int8 kernel's instruction set."""
+def layer_kernel(bits: int = 8) -> tuple[Callable, Callable] | None:
+    """The built ``(layer_in, layer_out)`` functions for layers of ``bits``-bit weights (8 or 4), or None
+    where they are off (``SEMSPEC_DECODE_LAYER=0``), that weight kind's kernel is off, or they cannot be
+    built here (then every call runs the modules). Built once per process, for that kernel's instruction
+    set."""
     if settings().decode_layer == "0":
         return None
-    kernel = int8_kernel.int8_mm()
+    kernel = int8_kernel.int8_mm() if bits == 8 else int4_kernel.int4_mm()
     cxx = int8_kernel.compiler()
     if kernel is None or cxx is None:
-        log.warning("decode layer kernel off (no int8 kernel or compiler): the modules decode, slower")
+        log.warning("decode layer kernel off (no int%d kernel or compiler): the modules decode, slower", bits)
         return None
+    flags = None if bits == 8 else int4_kernel.FLAGS
     try:
-        lib = int8_kernel.build(cxx, settings().cache_dir / "kernels", kernel.isa, "decode_layer", SOURCE)
+        lib = int8_kernel.build(
+            cxx, settings().cache_dir / "kernels", kernel.isa, f"decode_layer{bits}", SOURCES[bits], flags
+        )
         dll = ctypes.CDLL(str(lib))
     except (RuntimeError, OSError) as err:
         log.warning("decode layer kernel off: %s; the modules decode, slower", err)
@@ -186,12 +247,14 @@ def unfit(layer: nn.Module) -> str | None:
     if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return f"its MLP activation is {type(mlp.act_fn).__name__}, not SiLU"
     projs = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if not all(isinstance(p, QuantLinear) and p.bits == 8 and p.act == torch.bfloat16 for p in projs):
-        return "not every projection is int8 with bfloat16 activations"
+    if not all(isinstance(p, QuantLinear) and p.act == torch.bfloat16 for p in projs):
+        return "not every projection is int8 or int4 with bfloat16 activations"
+    if len({p.bits for p in projs}) != 1:
+        return "its projections mix int8 and int4"
     if not all(p.packed for p in projs):
         return (
-            "not every projection is packed for the int8 kernel (the kernel was off when the model loaded, "
-            "or a projection's output width is not a multiple of 8)"
+            "not every projection is packed for semspec's int kernel (the kernel was off when the model "
+            "loaded, or a projection's width does not fit its layout)"
         )
     if any(p.bias is not None for p in projs[3:]):
         return "o, gate, up or down has a bias"
@@ -212,12 +275,17 @@ def install(model: nn.Module) -> int:
         for m in model.modules()
         if type(m).__name__ in LAYERS and not hasattr(m, "_semspec_forward") and unfit(m) is None
     ]
-    if not layers or layer_kernel() is None:
+    if not layers or any(layer_kernel(_bits(m)) is None for m in layers):
         return 0
     for layer in layers:
         layer._semspec_forward = layer.forward
         layer.forward = types.MethodType(_forward, layer)
     return len(layers)
+
+
+def _bits(layer: nn.Module) -> int:
+    """The bits of a fitting layer's weights (8 or 4; every projection the same)."""
+    return layer.self_attn.q_proj.bits
 
 
 def describe(model: nn.Module) -> str | None:
@@ -239,7 +307,9 @@ def _kernel_for(
         return None
     if kwargs.get("output_attentions") or getattr(layer.self_attn.config, "output_attentions", False):
         return None
-    fns, mm = layer_kernel(), int8_kernel.int8_mm()  # both read the settings now: a benchmark toggles them
+    bits = _bits(layer)
+    mm = int8_kernel.int8_mm() if bits == 8 else int4_kernel.int4_mm()
+    fns = layer_kernel(bits)  # both read the settings now: a benchmark toggles them
     if fns is None or mm is None or attention.attention_kernel() is None:
         return None
     rows = layer.self_attn.q_proj.dense_rows

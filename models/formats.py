@@ -8,7 +8,8 @@ A model spec's ``dtype`` names a format:
   on weights packed for it) where it runs and the shape fits its layout, else through
   ``torch.ops.aten._weight_int8pack_mm``;
 * ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
-  bfloat16 activations, ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
+  bfloat16 activations; int4 calls through semspec's int4 kernel (``models/int4_kernel.py``, on weights
+  packed for it) where the CPU has AVX512_BF16, else through ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 * ``auto``: the fastest correct format for the device (``resolve_format``, a documented rule).
 
 A quantized layer runs a call with few rows (one decode token per row) through its int kernel, which
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from semspec.models import int8_kernel
+from semspec.models import int4_kernel, int8_kernel
 from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
@@ -238,9 +239,16 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", scale.to(self.act))  # (N,)
         else:
             q, sz = quantize_int4(weight)
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            self.register_buffer("scales", sz.to(self.act))  # (K / group, N, 2)
-            dense = _dequantize(q, sz).to(self.act) if fmt.dense_copy else None
+            sz = sz.to(self.act)  # (K / group, N, 2): what the kernels read, so the dense copy takes it too
+            self.packed = self.act == torch.bfloat16 and int4_kernel.int4_mm() is not None
+            if self.packed:  # (N/16, K/32, 8, 32) nibbles, (N/16, K/32, 2, 16) scales and zeros
+                nibbles, sz_packed = int4_kernel.pack(q, sz)
+                self.register_buffer("qweight", nibbles)
+                self.register_buffer("scales", sz_packed)
+            else:
+                self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+                self.register_buffer("scales", sz)
+            dense = _dequantize(q, sz.float()).to(self.act) if fmt.dense_copy else None
         # held once: in oneDNN's blocked layout where it takes it (not a buffer: an opaque tensor), else plain
         self._dense_packed = None if dense is None else onednn_pack(dense)
         plain = dense if self._dense_packed is None else None
@@ -284,7 +292,13 @@ class QuantLinear(nn.Module):
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+            if not self.packed:
+                return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+            kernel = int4_kernel.int4_mm()
+            if kernel is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+                return kernel(x, self.qweight, self.scales)  # (M, N), at the memory bandwidth for few rows
+            q, sz = int4_kernel.unpack(self.qweight, self.scales)  # the kernel was turned off since loading
+            return nn.functional.linear(x.float(), _dequantize(q, sz.float())).to(x.dtype)
         if self.packed and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
             kernel = int8_kernel.int8_mm()  # None only if turned off since loading: PyTorch's op serves
             if kernel is not None:

@@ -219,12 +219,19 @@ def isa(flags: frozenset[str], wanted: str = "auto") -> str | None:
     return next((n for n in names if ISAS[n][1] <= flags), None)
 
 
-def build(cxx: str, folder: Path, target: str = "AVX2", name: str = "int8_mm", source: str = SOURCE) -> Path:
-    """Compile ``source`` (default: this kernel's) for instruction set ``target`` (a name in ``ISAS``) with
-    ``cxx`` into ``folder`` as library ``name`` (once: the file name carries a hash of the source, the
-    flags and the compiler) and return the library's path. Raises ``RuntimeError`` with the compiler's
-    message when the build fails."""
-    flags = (*FLAGS, *ISAS[target][0])
+def build(
+    cxx: str,
+    folder: Path,
+    target: str = "AVX2",
+    name: str = "int8_mm",
+    source: str = SOURCE,
+    isa_flags: tuple[str, ...] | None = None,
+) -> Path:
+    """Compile ``source`` (default: this kernel's) for instruction set ``target`` (a name in ``ISAS``, or
+    any name with its compiler flags in ``isa_flags``) with ``cxx`` into ``folder`` as library ``name``
+    (once: the file name carries a hash of the source, the flags and the compiler) and return the
+    library's path. Raises ``RuntimeError`` with the compiler's message when the build fails."""
+    flags = (*FLAGS, *(ISAS[target][0] if isa_flags is None else isa_flags))
     key = hashlib.sha256("\n".join((source, *flags, cxx)).encode()).hexdigest()[:16]
     lib = folder / f"{name}-{target.lower()}-{key}.so"
     if lib.is_file():

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from semspec.models import attention, decode_layer, int8_kernel
+from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.formats import Format, cpu_info, quantize_model
 from semspec.models.settings import Settings, reload_settings
 
@@ -16,13 +16,15 @@ BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compil
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
 HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
 INT8 = Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
+INT4 = Format("int4", torch.bfloat16, dense_rows=8, dense_copy=True)
+INT4_RUNS = int4_kernel.CPU_FLAGS.issubset(cpu_info().flags)
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
     """The kernels built into an empty cache, forgotten again afterwards."""
     monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path))
-    caches = (int8_kernel.int8_mm, attention.attention_kernel, decode_layer.layer_kernel)
+    caches = (int8_kernel.int8_mm, int4_kernel.int4_mm, attention.attention_kernel, decode_layer.layer_kernel)
     for c in caches:
         c.cache_clear()
     yield
@@ -47,16 +49,17 @@ def _qwen2(vocab: int):
     return model
 
 
-def _int8_lm(arch: str = "llama"):
-    """A tiny int8 LM (bfloat16 activations) of ``arch``: llama (no biases, 16-dim heads) or qwen2."""
+def _int8_lm(arch: str = "llama", fmt: Format = INT8):
+    """A tiny int8 (or ``fmt``) LM, bfloat16 activations, of ``arch``: llama (no biases, 16-dim heads) or
+    qwen2."""
     from semspec.models.lm import LM
     from tests.helpers.tiny import tiny_lm
 
     base = tiny_lm(init=0.2, hidden=64)
     model = base.model if arch == "llama" else _qwen2(len(base.tokenizer))
     model = model.to(torch.bfloat16)
-    quantize_model(model, INT8)
-    return LM(model, base.tokenizer, base.spec, INT8)
+    quantize_model(model, fmt)
+    return LM(model, base.tokenizer, base.spec, fmt)
 
 
 @pytest.fixture
@@ -69,7 +72,7 @@ def counted(monkeypatch):
         calls["kernel"] += 1
         return fin(*a)
 
-    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: (counting_in, fout))
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: (counting_in, fout))
     real = decode_layer._forward
 
     def forward(layer, hidden_states, *a, **kw):
@@ -108,15 +111,41 @@ def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
     assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
     fin, fout = decode_layer.layer_kernel()
     calls = []
-    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: None)  # off: the modules
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: None)  # off: the modules
     seq_off, logits_off = _generate(lm, prompts)
-    monkeypatch.setattr(decode_layer, "layer_kernel", lambda: (lambda *a: calls.append(fin(*a)), fout))
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: (lambda *a: calls.append(fin(*a)), fout))
     seq_on, logits_on = _generate(lm, prompts)
     assert len(calls) == 2 * 19, "every decoding call of both layers (20 tokens: 19 after the prefill)"
     assert torch.equal(seq_on, seq_off)
     # the same bfloat16 roundings; only the norm's float32 sum runs in another order
     scale = logits_off.abs().max().item()
     assert (logits_on - logits_off).abs().max().item() <= 1e-2 * scale
+
+
+@pytest.mark.skipif(not INT4_RUNS, reason="semspec's int4 kernel needs AVX512_BF16")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("prompts", [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = ", "7 = "]])
+def test_an_int4_model_decodes_what_its_modules_decode(arch, prompts, monkeypatch):
+    lm = _int8_lm(arch, INT4)
+    assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
+    assert lm.model.model.layers[0].self_attn.q_proj.bits == 4
+    fin, fout = decode_layer.layer_kernel(4)
+    calls = []
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: None)  # off: the modules
+    seq_off, logits_off = _generate(lm, prompts)
+    monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: (lambda *a: calls.append(fin(*a)), fout))
+    seq_on, logits_on = _generate(lm, prompts)
+    assert len(calls) == 2 * 19
+    assert torch.equal(seq_on, seq_off)
+    scale = logits_off.abs().max().item()
+    assert (logits_on - logits_off).abs().max().item() <= 1e-2 * scale
+
+
+def test_a_layer_mixing_int8_and_int4_runs_the_modules():
+    lm = _int8_lm("qwen2")
+    layer = lm.model.model.layers[0]
+    layer.mlp.down_proj.bits = 4  # as one projection of another kind
+    assert decode_layer.unfit(layer) == "its projections mix int8 and int4"
 
 
 def test_rows_sharing_their_positions_decode_alike(monkeypatch):
@@ -126,7 +155,7 @@ def test_rows_sharing_their_positions_decode_alike(monkeypatch):
     fns = decode_layer.layer_kernel()
     logits = {}
     for on in (False, True):
-        monkeypatch.setattr(decode_layer, "layer_kernel", lambda on=on: fns if on else None)
+        monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_, on=on: fns if on else None)
         with torch.inference_mode():
             out = lm.model(ids[:, :-1], use_cache=True)
             logits[on] = lm.model(ids[:, -1:], cache=out.cache).logits.float()  # (2, 1, V)
@@ -202,7 +231,7 @@ def test_a_copied_model_decodes_with_its_own_weights(monkeypatch):
     fns = decode_layer.layer_kernel()
 
     def last_logits(model, on: bool) -> torch.Tensor:
-        monkeypatch.setattr(decode_layer, "layer_kernel", lambda: fns if on else None)
+        monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: fns if on else None)
         with torch.inference_mode():
             out = model(ids[:, :-1], use_cache=True)
             return model(ids[:, -1:], cache=out.cache).logits.float()  # (1, 1, V)
