@@ -185,6 +185,13 @@ def unpack(nibbles: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, sz.permute(1, 0, 3, 2).reshape(g, nb * BLOCK, 2)
 
 
+def describe() -> str:
+    """Which kernel decodes int4 here, for a person reading a figure."""
+    if int4_mm() is None:
+        return "int4 calls: PyTorch's _weight_int4pack_mm_for_cpu"
+    return f"int4 calls: semspec's int4 kernel ({ISA}, packed weights)"
+
+
 class _Kernel:
     """The built kernel: ``kernel(x, nibbles, scales_zeros)`` for ``pack``'s tensors."""
 

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from semspec.models import attention, decode_layer, int8_kernel
+from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
@@ -81,7 +81,9 @@ class LM:
             "format": self.format.name,
             "device": str(self.device),
             "why": self.format.describe()
-            + (f"; {int8_kernel.describe()}" if self.format.name == "int8" else "")
+            + {"int8": f"; {int8_kernel.describe()}", "int4": f"; {int4_kernel.describe()}"}.get(
+                self.format.name, ""
+            )
             + f"; {attention.describe(self.model)}"
             + (f"; {layers}" if (layers := decode_layer.describe(self.model)) else ""),
         }

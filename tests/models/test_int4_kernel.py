@@ -128,3 +128,16 @@ def test_a_failed_build_is_off_with_a_warning(fresh, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=int4_kernel.__name__):
         assert int4_kernel.int4_mm() is None
     assert "int4 kernel off: g++ failed" in caplog.text
+
+
+def test_an_int4_model_says_which_kernel_decodes(fresh):
+    from semspec.models.formats import quantize_model
+    from semspec.models.lm import LM
+    from tests.helpers.tiny import tiny_lm
+
+    base = tiny_lm(init=0.2, hidden=64)
+    model = base.model.to(torch.bfloat16)
+    quantize_model(model, INT4)
+    why = LM(model, base.tokenizer, base.spec, INT4).describe()["why"]
+    kernel = "semspec's int4 kernel (AVX512_BF16, packed weights)" if RUNS else "_weight_int4pack_mm_for_cpu"
+    assert f"int4 calls: {kernel}" in why
