@@ -139,9 +139,11 @@ class Format:
 
 def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = None) -> Format:
     """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
-    one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU ``int8``, whose dense
-    calls run in bfloat16 where the CPU has native bfloat16 and in float32 elsewhere (bfloat16 without
-    native support is 3-5x slower than float32 for every call with many rows)."""
+    one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU with AVX512_BF16 (what
+    semspec's int4 kernel needs) ``int4``, whose dense calls run in bfloat16; on any other CPU ``int8``,
+    whose dense calls run in bfloat16 where the CPU has native bfloat16 (AMX alone) and in float32
+    elsewhere (bfloat16 without native support is 3-5x slower than float32 for every call with many
+    rows)."""
     if requested not in FORMATS:
         raise ValueError(f"field 'dtype' must be one of {FORMATS}, got {requested!r}")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -160,14 +162,21 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
         if requested == "bfloat16" and not cpu.native_bf16:
             note = f"{cpu.label()}: calls with many rows run 3-5x slower than float32"
         return Format(requested, DENSE_DTYPES[requested], requested=requested, reason=note)
-    name = "int8" if requested == "auto" else requested
+    name = requested
+    if requested == "auto":  # int4 where semspec's int4 kernel runs (elsewhere PyTorch's op: no faster)
+        name = "int4" if int4_kernel.CPU_FLAGS.issubset(cpu.flags) else "int8"
     native = cpu.native_bf16
     rows = DENSE_ROWS[(name, native)]
     if rows is None:
         reason = f"{cpu.label()}: {name} weights for every call"
     else:
         dense = "bfloat16 (a dequantized copy)" if native else "float32 (dequantized per call)"
-        reason = f"{cpu.label()}: {name} weights for calls of up to {rows} rows (decoding), {dense} above"
+        kernel = (
+            " (semspec's int4 kernel)" if name == "int4" and int4_kernel.CPU_FLAGS.issubset(cpu.flags) else ""
+        )
+        reason = (
+            f"{cpu.label()}: {name} weights{kernel} for calls of up to {rows} rows (decoding), {dense} above"
+        )
     return Format(name, torch.bfloat16, rows, native, requested=requested, reason=reason)
 
 

@@ -27,24 +27,32 @@ from tests.helpers.tiny import tiny_lm
 
 AVX2 = CpuInfo("AVX2", frozenset({"avx", "avx2", "fma"}))
 AVX512 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw"}))  # no bf16 instructions
-AVX512_BF16 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512_bf16"}))
-AMX = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}))
+AVX512_BF16 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
+AMX = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}))  # AMX without AVX512_BF16
 QUESTION = "What is 12 * 7?"
 
 
 # ----------------------------------------------------------------------------------- the rule
 @pytest.mark.parametrize(
-    "cpu, dense_copy, rows",
-    [(AVX2, False, 64), (AVX512, False, 64), (AVX512_BF16, True, 4), (AMX, True, 4)],
+    "cpu, name, dense_copy, rows",
+    [
+        (AVX2, "int8", False, 64),
+        (AVX512, "int8", False, 64),
+        (AVX512_BF16, "int4", True, 8),
+        (AMX, "int8", True, 4),
+    ],
 )
-def test_auto_is_int8_with_dense_calls_in_the_cpus_fast_dtype(cpu, dense_copy, rows):
+def test_auto_is_int4_where_its_kernel_runs_else_int8_with_dense_calls_in_the_cpus_fast_dtype(
+    cpu, name, dense_copy, rows
+):
     fmt = resolve_format("auto", "cpu", cpu)
-    assert fmt.name == "int8" and fmt.activations == torch.bfloat16
+    assert fmt.name == name and fmt.activations == torch.bfloat16
     assert fmt.dense_copy is dense_copy and fmt.dense_rows == rows
     dense = "bfloat16" if dense_copy else "float32"
-    assert fmt.label() == f"int8 ({dense} above {rows} rows)"
-    assert fmt.describe().startswith(f"auto -> int8 ({dense} above {rows} rows): {cpu.capability}, ")
+    assert fmt.label() == f"{name} ({dense} above {rows} rows)"
+    assert fmt.describe().startswith(f"auto -> {name} ({dense} above {rows} rows): {cpu.capability}, ")
     assert ("no native bf16" in fmt.describe()) is not cpu.native_bf16
+    assert ("semspec's int4 kernel" in fmt.describe()) is (name == "int4")
 
 
 def test_auto_on_a_gpu_is_bfloat16_and_the_int_formats_are_refused_there():
