@@ -14,6 +14,7 @@ from semspec.models.formats import (
     CpuInfo,
     Format,
     QuantLinear,
+    _dequantize,
     onednn_pack,
     quantize_int4,
     quantize_int8,
@@ -29,6 +30,7 @@ AVX2 = CpuInfo("AVX2", frozenset({"avx", "avx2", "fma"}))
 AVX512 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw"}))  # no bf16 instructions
 AVX512_BF16 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
 AMX = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}))  # AMX without AVX512_BF16
+BF16_AND_AMX = CpuInfo("AVX512", AVX512_BF16.flags | AMX.flags)
 QUESTION = "What is 12 * 7?"
 
 
@@ -40,6 +42,7 @@ QUESTION = "What is 12 * 7?"
         (AVX512, "int8", False, 64),
         (AVX512_BF16, "int4", True, 8),
         (AMX, "int8", True, 4),
+        (BF16_AND_AMX, "int4", True, 6),  # AMX's bfloat16 GEMM overtakes the int4 kernel above 6 rows
     ],
 )
 def test_auto_is_int4_where_its_kernel_runs_else_int8_with_dense_calls_in_the_cpus_fast_dtype(
@@ -68,8 +71,11 @@ def test_explicit_formats_are_kept_and_bfloat16_without_native_support_says_so()
     assert resolve_format("bfloat16", "cpu", AMX).describe() == "bfloat16"
     slow = resolve_format("bfloat16", "cpu", AVX2)
     assert slow.name == "bfloat16" and "3-5x slower than float32" in slow.describe()
-    int4 = resolve_format("int4", "cpu", AMX)
-    assert (int4.dense_rows, int4.dense_copy) == (8, True)
+    assert (resolve_format("int4", "cpu", AMX).dense_rows, resolve_format("int4", "cpu", AMX).dense_copy) == (
+        6,
+        True,
+    )
+    assert resolve_format("int4", "cpu", AVX512_BF16).dense_rows == 8
     assert resolve_format("int4", "cpu", AVX2).dense_rows is None  # no dense path: its kernel always
 
 
@@ -112,7 +118,8 @@ def test_int8_and_int4_quantization_round_trip_within_their_grids():
     assert dense is None, "no dense copy unless asked"
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert float((q.float() * scale[:, None] - w).abs().max()) <= float(scale.max()) / 2 + 1e-6
-    q4, sz = quantize_int4(w)
+    q4, sz, none = quantize_int4(w)
+    assert none is None and q4.dtype == torch.uint8
     assert sz.shape == (2, 48, 2) and int(q4.min()) == 0 and int(q4.max()) == 15
     s, z = sz[..., 0].t(), sz[..., 1].t()  # (N, groups)
     back = ((q4.reshape(48, 2, 32).float() - 8) * s[..., None] + z[..., None]).reshape(48, 64)
@@ -131,6 +138,22 @@ def test_int8_quantization_gives_its_dense_copy_in_the_same_pass_bit_for_bit(dty
     assert none is None and torch.equal(q, q2) and torch.equal(scale, scale2)
     assert torch.equal(scale, w.float().abs().amax(dim=1) / 127.0), "the scale is max |w| / 127"
     assert dense.dtype == dtype and torch.equal(dense, (q.float() * scale[:, None]).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_quantization_gives_its_dense_copy_in_the_same_pass_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(40, 96, dtype=torch.bfloat16) * torch.logspace(-3, 1, 40)[:, None].to(torch.bfloat16)
+    q, sz, none = quantize_int4(w, chunk=16)  # chunks that do not divide the rows
+    q2, sz2, dense = quantize_int4(w, chunk=16, dense=dtype)
+    whole, sz3, _ = quantize_int4(w, chunk=4096)
+    assert none is None and torch.equal(q, q2) and torch.equal(sz, sz2)
+    assert torch.equal(q, whole) and torch.equal(sz, sz3), "the chunks do not change the result"
+    groups = w.float().reshape(40, 3, 32)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    assert torch.equal(sz[..., 0].t(), (hi - lo) / 15.0), "the scale is each group's range / 15"
+    want = _dequantize(q, sz.to(dtype).float()).to(dtype)  # the scales and zeros as the kernels read them
+    assert dense.dtype == dtype and torch.equal(dense, want)
 
 
 @pytest.mark.parametrize("dense_copy", [True, False])

@@ -30,7 +30,7 @@ def fresh(monkeypatch, tmp_path):
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (N, K), (scale, zero) per group (bfloat16 values) and the weights they mean, float64 (N, K)."""
     torch.manual_seed(seed)
-    q, sz = quantize_int4(torch.randn(n, k))
+    q, sz, _ = quantize_int4(torch.randn(n, k))
     sz = sz.to(torch.bfloat16)
     return q, sz, _dequantize(q, sz.float()).double()
 
@@ -70,7 +70,7 @@ def test_it_agrees_with_pytorchs_op(fresh):
     x = torch.randn(3, 1536).to(torch.bfloat16)
     ours = int4_kernel.int4_mm()(x, *int4_kernel.pack(q, sz)).float()
     theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz
+        x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), 32, sz
     ).float()
     assert float((ours - theirs).norm() / theirs.norm()) < 5e-3
 
