@@ -61,8 +61,9 @@ class IngestConfig:
     # who writes each question's reasoning chain: data (the source's own; the target fills missing ones
     # with generate_traces) | target | draft (that model writes every chain, greedy, within
     # trace_max_tokens; with draft, the prefixes are contexts the draft wrote, as SemanticSpec's are once
-    # it has accepted draft steps)
-    trace_author: str = "data"
+    # it has accepted draft steps); a list cuts prefixes from each author's chain of every question
+    # (mixed contexts, e.g. [data, draft]), up to max_prefixes_per_question per chain
+    trace_author: str | list[str] = "data"
     trace_max_tokens: int = 256  # token budget of a generated trace
     seed: int = 0
     on_error: str = "raise"  # raise | skip (counted) on malformed input rows
@@ -76,9 +77,11 @@ class IngestConfig:
                 f"ingest: field 'source' must be one of {INGEST_SOURCES} or a list of distinct ones, got "
                 f"{self.source!r}"
             )
-        if self.trace_author not in TRACE_AUTHORS:
+        authors = self.trace_authors()
+        if not authors or len(set(authors)) < len(authors) or any(a not in TRACE_AUTHORS for a in authors):
             raise ValueError(
-                f"ingest: field 'trace_author' must be one of {TRACE_AUTHORS}, got {self.trace_author!r}"
+                f"ingest: field 'trace_author' must be one of {TRACE_AUTHORS} or a list of distinct ones, got "
+                f"{self.trace_author!r}"
             )
         if self.domain_by not in ("data", "source"):
             raise ValueError(f"ingest: field 'domain_by' must be 'data' or 'source', got {self.domain_by!r}")
@@ -91,6 +94,10 @@ class IngestConfig:
     def sources(self) -> list[str]:
         """The sources, as a list."""
         return [self.source] if isinstance(self.source, str) else list(self.source)
+
+    def trace_authors(self) -> list[str]:
+        """The authors of the chains prefixes are cut from, as a list."""
+        return [self.trace_author] if isinstance(self.trace_author, str) else list(self.trace_author)
 
 
 @dataclass

@@ -443,11 +443,13 @@ def build_prefixes(
     delimiter: str = "\n\n",
     max_steps: int = MAX_STEPS,
     rng: random.Random | None = None,
+    chain: str = "",
 ) -> list[Prefix]:
     """Prefixes (question + first k steps, k = 0 .. len(steps)-1) of one problem.
 
     Chains with ``max_steps`` steps or more yield nothing (the caller counts them). With
-    ``max_prefixes``, a seeded random subset of that size is kept, in step order.
+    ``max_prefixes``, a seeded random subset of that size is kept, in step order. ``chain`` names one of
+    several chains of the same problem (its author), so their prefixes get ids of their own.
     """
     if len(steps) >= max_steps or not steps:
         return []
@@ -456,7 +458,8 @@ def build_prefixes(
         ks = sorted((rng or random.Random(0)).sample(ks, max_prefixes))
     out = []
     for k in ks:
-        pid = hashlib.sha1(f"{problem.source}:{problem.question_id}:{k}".encode()).hexdigest()[:16]
+        key = f"{problem.source}:{problem.question_id}:{k}" + (f":{chain}" if chain else "")
+        pid = hashlib.sha1(key.encode()).hexdigest()[:16]
         context = "".join(s + delimiter for s in steps[:k])
         out.append(
             Prefix(pid, problem.question_id, problem.source, problem.domain, k, problem.question, context)

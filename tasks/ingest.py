@@ -109,38 +109,51 @@ def write_trace(lm: LM, question: str, max_tokens: int) -> str:
 
 def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM | None = None) -> Path:
     """Build ``prefixes.parquet`` at ``out_path``, splitting chains into steps as the pair's models end
-    them (``split_strategy``, set by ``load_pair``). ``writer`` (default: the model ``trace_author``
-    names, or the target with ``generate_traces``, loaded on demand) writes the traces the data does not
-    give."""
-    author = cfg.trace_author if cfg.trace_author != "data" else ("target" if cfg.generate_traces else None)
+    them (``split_strategy``, set by ``load_pair``). Each author of ``trace_author`` gives every question
+    one chain (several authors: mixed contexts; the first author's prefixes are the ones it gives alone,
+    the others' have ids of their own). ``writer`` (default: the model an author names, or the target
+    with ``generate_traces``, loaded on demand) writes the traces the data does not give."""
+    authors = cfg.trace_authors()
     split = pair.target.split
     after = joiner(split, pair.target.delimiter)  # what follows each step of a context
     problems = select_problems(cfg)
-    rng = random.Random(cfg.seed)
+    # the first author's prefixes are drawn and named as when it writes alone; the others' apart
+    rngs = {a: random.Random(cfg.seed if i == 0 else f"{cfg.seed}:{a}") for i, a in enumerate(authors)}
+    writers: dict[str, LM] = {}
+
+    def write(model: str, question: str) -> str:
+        if model not in writers:
+            writers[model] = writer or load_lm(pair.role(model))
+        return write_trace(writers[model], question, cfg.trace_max_tokens)
+
     rows, too_long, no_chain, generated = [], 0, 0, 0
     for prob in tqdm(problems, desc="ingest", unit="question"):
-        chain = prob.trace if cfg.trace_author == "data" else None
-        if chain is None and author is not None:
-            writer = writer or load_lm(pair.role(author))
-            chain = write_trace(writer, prob.question, cfg.trace_max_tokens)
-            generated += 1
-        steps = split_steps(chain or "", split)
-        if not steps and cfg.trace_author == "data":  # a model's empty chain is not the solution's
-            steps = split_steps(prob.solution, split)
-        if not steps:
-            no_chain += 1
-            continue
-        if len(steps) >= MAX_STEPS:
-            too_long += 1
-            continue
-        prefixes = build_prefixes(prob, steps, cfg.max_prefixes_per_question, after, rng=rng)
-        rows.extend(asdict(p) for p in prefixes)
+        for author in authors:
+            model = author if author != "data" else ("target" if cfg.generate_traces else None)
+            chain = prob.trace if author == "data" else None
+            if chain is None and model is not None:
+                chain = write(model, prob.question)
+                generated += 1
+            steps = split_steps(chain or "", split)
+            if not steps and author == "data":  # a model's empty chain is not the solution's
+                steps = split_steps(prob.solution, split)
+            if not steps or len(steps) >= MAX_STEPS:
+                no_chain += not steps
+                too_long += bool(steps)
+                continue
+            chain_id = "" if author == authors[0] else author
+            prefixes = build_prefixes(
+                prob, steps, cfg.max_prefixes_per_question, after, rng=rngs[author], chain=chain_id
+            )
+            rows.extend(asdict(p) for p in prefixes)
     if not rows:
         raise ValueError(f"ingest produced no prefixes from {len(problems)} question(s)")
     log.info(
-        "ingest: %d prefixes from %d questions (%d traces generated, %d chains of %d+ steps dropped, %d empty)",
+        "ingest: %d prefixes from %d questions x %d author(s) (%d traces generated, %d chains of %d+ steps "
+        "dropped, %d empty)",
         len(rows),
         len(problems),
+        len(authors),
         generated,
         too_long,
         MAX_STEPS,

@@ -619,6 +619,30 @@ def test_ingest_can_have_the_draft_write_every_trace(tmp_path, monkeypatch):
         load_params(overrides=["ingest.trace_author=judge"])
 
 
+def test_ingest_mixes_contexts_from_several_trace_authors(tmp_path, monkeypatch):
+    """``trace_author: [data, draft]``: every question gives prefixes of its data chain and of the draft's
+    chain, the data's with the ids a single author gives them and the draft's with ids of their own; a
+    repeated author is an error naming the field."""
+    from semspec.tasks import ingest
+
+    pair = write_tiny_pair(tmp_path / "pair")
+    monkeypatch.setattr(ingest, "load_lm", lambda spec: spec.model_id)
+    monkeypatch.setattr(ingest, "write_trace", lambda lm, q, n: f"Draft one.\n\nDraft two ({q[:6]}).")
+    base = ["ingest.max_questions=4", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=16"]
+    data = pq.read_table(run_ingest(load_params(overrides=base).ingest, pair, tmp_path / "a.parquet"))
+    p = load_params(overrides=[*base, "ingest.trace_author=[data, draft]"])
+    rows = pq.read_table(run_ingest(p.ingest, pair, tmp_path / "b.parquet")).to_pylist()
+    ids = [r["prefix_id"] for r in rows]
+    assert len(set(ids)) == len(ids)
+    data_rows = [r for r in rows if "Draft one." not in r["context"] and r["step_index"] > 0]
+    draft_rows = [r for r in rows if r["context"].startswith("Draft one.")]
+    assert set(data.column("prefix_id").to_pylist()) <= set(ids), "the data chain's prefixes, ids unchanged"
+    assert len(rows) == data.num_rows + 2 * 4, "plus k = 0 and 1 of each question's draft chain"
+    assert data_rows and {r["step_index"] for r in draft_rows} == {1}
+    with pytest.raises(ValueError, match="field 'trace_author'"):
+        load_params(overrides=["ingest.trace_author=[draft, draft]"])
+
+
 def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
     """``split_strategy: sentence`` is one setting every stage reads: ingest's contexts are whole sentences
     joined by a space (more steps than paragraphs), the models end their samples at sentence ends, and
