@@ -56,7 +56,9 @@ class DecodeSettings:
     lookahead: int = 4
     # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
     rewrite_wait: int = 0
-    min_ratio: float | None = None  # also reject when p/q falls below this (off by default)
+    # also reject when p/q falls below this (off by default); "auto" is resolved to a number or None by
+    # whoever loads the probes (semspec.tasks.decoders.build_decoder), before a decoder reads it
+    min_ratio: float | str | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
@@ -78,8 +80,9 @@ class DecodeSettings:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.rewrite_wait < 0:
             raise ValueError(f"rewrite_wait must be >= 0, got {self.rewrite_wait}")
-        if self.min_ratio is not None and self.min_ratio < 0:
-            raise ValueError(f"min_ratio must be >= 0, got {self.min_ratio}")
+        ratio = self.min_ratio
+        if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 0):
+            raise ValueError(f"min_ratio must be None, a number >= 0 or 'auto', got {ratio!r}")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -565,14 +568,21 @@ class SemanticSpecDecoder(_DraftTarget):
         settings: DecodeSettings,
         probe_ids: dict[str, str] | None = None,
     ) -> None:
+        if isinstance(settings.min_ratio, str):
+            raise ValueError(
+                "min_ratio 'auto' names the probes' own floor: resolve it to a number or None before "
+                "decoding (semspec.tasks.decoders.build_decoder reads it from the registered probes)"
+            )
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe
         self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
 
     @property
     def run_identity(self) -> dict:
-        """What, beyond the evaluation settings, decides this decoder's rows: the probes and salvage."""
-        return {"probes": self.probe_ids, "salvage": self.settings.salvages}
+        """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage and the
+        floor on p/q where there is one (``min_ratio: auto`` resolves per probe pair)."""
+        floor = {} if self.settings.min_ratio is None else {"min_ratio": self.settings.min_ratio}
+        return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floor}
 
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see

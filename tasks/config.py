@@ -40,6 +40,7 @@ def _positive(where: str, **values: float) -> None:
 
 
 INGEST_SOURCES = ("arith", "s1k", "math500", "aime24", "amc23")  # sources with reasoning chains
+AUTO = "auto"  # evaluate.min_ratio: the floor each probe pair's train run chose on validation
 TRACE_AUTHORS = ("data", "target", "draft")  # who writes the reasoning chains prefixes are cut from
 
 
@@ -280,7 +281,10 @@ class EvaluateConfig:
     temperature: float = 0.0
     top_p: float = 0.95  # nucleus cut when sampling (temperature > 0), as the probes' samples were drawn
     gamma: int = 1
-    min_ratio: float | None = None
+    # semanticspec also rejects a step whose p/q falls below this: null (the paper's rule), a number, or
+    # auto (the floor the train run chose on the validation questions for each learned variant's probes;
+    # none where it chose none; Random keeps the paper's rule)
+    min_ratio: float | str | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
@@ -313,6 +317,11 @@ class EvaluateConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"evaluate: field '{name}' must be a count >= 0, got {value!r}")
+        ratio = self.min_ratio
+        if ratio is not None and ratio != AUTO and (not isinstance(ratio, int | float) or ratio < 0):
+            raise ValueError(
+                f"evaluate: field 'min_ratio' must be null, a number >= 0 or 'auto', got {ratio!r}"
+            )
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")
         if self.levels is not None and (

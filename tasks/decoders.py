@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,8 +21,8 @@ from semspec.models.names import METHODS, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
-from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.probe_registry import load_probe
+from semspec.tasks.config import AUTO, EvaluateConfig
+from semspec.tasks.probe_registry import load_probe, registered_floor
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def build_decoder(
 ) -> Decoder:
     """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``: the
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
-    champions. ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
+    champions, and resolves ``min_ratio: auto`` to the floor their train run chose on validation (none
+    for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
     vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -105,8 +107,14 @@ def build_decoder(
         return AssistedDecoder(lms["draft"], lms["target"], settings)
     if method == "specreason":
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
-    split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
+    base, _ = split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
+    if settings.min_ratio == AUTO:
+        floor = (
+            None if base == "random" else registered_floor(pair.name, variant, pins.get(f"target-{variant}"))
+        )
+        log.info("semanticspec-%s: min_ratio auto -> %s (chosen on the validation questions)", variant, floor)
+        settings = replace(settings, min_ratio=floor)
     q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
     p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))
     return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})

@@ -152,6 +152,17 @@ def registered_version(pair: str, role: str, variant: str, alias: str = CHAMPION
         ) from None
 
 
+MIN_RATIO_TAG = "min_ratio"  # a registered probe's floor on p/q, chosen on the validation questions
+
+
+def registered_floor(pair: str, variant: str, version: str | None = None) -> float | None:
+    """The ``min_ratio`` the train run chose on the validation questions for ``variant``'s probes (the
+    target probe's tag; ``version`` or the champion), or None where it chose none (no routing metrics:
+    no joint labels, or no validation step the floor could separate)."""
+    tag = (registered_version(pair, "target", variant, version=version).tags or {}).get(MIN_RATIO_TAG)
+    return None if tag is None else float(tag)
+
+
 def load_probe(
     pair: str,
     role: str,

@@ -46,6 +46,7 @@ from semspec.tasks.io import (
     write_json_atomic,
 )
 from semspec.tasks.probe_registry import (
+    MIN_RATIO_TAG,
     POINTERS_FILE,
     TRACKING_ERRORS,
     ProbeRef,
@@ -620,6 +621,7 @@ def run_train(
                 done.metrics["_routing"] = routing
                 if not done.kept:
                     _log_routing(routing, done.trained)
+                    _tag_floors(routing, done.pointers)
             if not done.kept:
                 fig = variant_figure(done.metrics, pair.name)
                 save_figure_atomic(fig, plots_dir / "probe-variants.png")
@@ -789,6 +791,20 @@ def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, 
     mlflow.log_metrics(
         {f"routing_{v}_{k}": x for v, m in routing.items() for k, x in m.items() if np.isfinite(x)}
     )
+
+
+def _tag_floors(routing: dict[str, dict[str, float]], pointers: dict[str, dict[str, Any]]) -> None:
+    """Tag both registered probes of each variant with the ``min_ratio`` chosen on the validation
+    questions (``evaluate.min_ratio: auto`` reads it back at decode time)."""
+    client = mlflow.MlflowClient()
+    for variant, m in routing.items():
+        floor = m.get("min_ratio")
+        if floor is None or not np.isfinite(floor):
+            continue
+        for role in ROLES:
+            ref = pointers.get(f"{role}-{variant}")
+            if ref is not None and ref.get("version") is not None:
+                client.set_model_version_tag(ref["name"], ref["version"], MIN_RATIO_TAG, f"{floor:.6g}")
 
 
 def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):

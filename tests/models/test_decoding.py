@@ -123,7 +123,15 @@ def test_result_fields_and_answer_extraction(pair):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_new_tokens": 0}, {"gamma": 0}, {"min_ratio": -1}, {"accept_threshold": 10}, {"top_p": 0}]
+    "kwargs",
+    [
+        {"max_new_tokens": 0},
+        {"gamma": 0},
+        {"min_ratio": -1},
+        {"min_ratio": "strict"},
+        {"accept_threshold": 10},
+        {"top_p": 0},
+    ],
 )
 def test_bad_settings(kwargs):
     with pytest.raises(ValueError):

@@ -71,11 +71,19 @@ def test_profiles_and_overrides():
         ("evaluate.probe_domain=x/y", "domain 'x/y'"),
         ("evaluate.lookahead=-1", "'lookahead' must be a count"),
         ("evaluate.rewrite_wait=x", "'rewrite_wait' must be a count"),
+        ("evaluate.min_ratio=strict", "'min_ratio' must be null, a number >= 0 or 'auto'"),
+        ("evaluate.min_ratio=-0.5", "'min_ratio'"),
+        ("ingest.trace_author=[data, judge]", "'trace_author'"),
     ],
 )
 def test_bad_values_name_the_field(override, msg):
     with pytest.raises(ValueError, match=msg):
         load_params(overrides=[override])
+
+
+def test_min_ratio_takes_auto_and_numbers():
+    assert load_params(overrides=["evaluate.min_ratio=auto"]).evaluate.min_ratio == "auto"
+    assert load_params(overrides=["evaluate.min_ratio=0.4"]).evaluate.min_ratio == 0.4
 
 
 def test_unknown_profile_and_missing_file(tmp_path):

@@ -890,6 +890,44 @@ def test_the_min_ratio_is_the_floor_that_best_separates_the_steps():
     assert choose_min_ratio(p, q, np.ones(6, dtype=bool)) is None, "no side to refuse"
 
 
+def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, trained):
+    """The train run tags both probes of each variant with the ``min_ratio`` it chose on validation;
+    ``min_ratio: auto`` resolves to that tag when the decoder is built (Random keeps the paper's rule),
+    and a decoder handed an unresolved ``auto`` refuses it."""
+    import mlflow
+
+    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+    from semspec.tasks.decoders import build_decoder
+
+    client = mlflow.MlflowClient(f"sqlite:///{stages['tmp']}/mlruns.db")
+    routing = trained["_routing"]
+    versions = {}
+    for variant in ("last", "all", "mix"):
+        chosen = routing[variant].get("min_ratio")
+        for role in ("draft", "target"):
+            mv = client.get_model_version_by_alias(f"semspec-tiny-{role}-{variant}", "champion")
+            versions[role, variant] = mv
+            tag = mv.tags.get("min_ratio")
+            assert (tag is None) == (chosen is None), (variant, role, tag, chosen)
+            assert tag is None or float(tag) == pytest.approx(chosen, rel=1e-5)
+    pair, lms = stages["pair"], stages["lms"]
+    auto = DecodeSettings(max_new_tokens=8, step_tokens=4, min_ratio="auto")
+    mv = versions["target", "all"]
+    client.set_model_version_tag(mv.name, mv.version, "min_ratio", "0.25")
+    try:
+        dec = build_decoder("semanticspec", pair, lms, auto, "all")
+        assert dec.settings.min_ratio == 0.25 and dec.run_identity["min_ratio"] == 0.25
+        client.delete_model_version_tag(mv.name, mv.version, "min_ratio")
+        assert build_decoder("semanticspec", pair, lms, auto, "all").settings.min_ratio is None
+    finally:
+        if "min_ratio" in mv.tags:
+            client.set_model_version_tag(mv.name, mv.version, "min_ratio", mv.tags["min_ratio"])
+    assert build_decoder("semanticspec", pair, lms, auto, "random").settings.min_ratio is None
+    assert "min_ratio" not in build_decoder("semanticspec", pair, lms, auto, "random").run_identity
+    with pytest.raises(ValueError, match="resolve it"):
+        SemanticSpecDecoder(lms["draft"], lms["target"], dec.q_probe, dec.p_probe, auto)
+
+
 def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
     import mlflow
 
