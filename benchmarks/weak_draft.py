@@ -2,15 +2,17 @@
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
                                     [--set section.key=value ... --name NAME] [--examples own both]
+                                    [--floor]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
-and shared). A step already done is skipped when run again; ``--eval-only`` goes straight to the
-evaluations (they need the registered probes, not the samples). Prints the learning
-curve and both evaluations' tables. Each model's format is in the tables' notes. ``--set`` overrides
+and shared); ``--floor`` also evaluates the last set's learned variants with ``evaluate.min_ratio=auto``
+(the floor on p/q its train run chose on validation) into ``<examples>+floor/``. A step already done
+is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
+probes, not the samples). Prints the learning curve and the evaluations' table. Each model's format is in the tables' notes. ``--set`` overrides
 params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
 keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
 """
@@ -51,6 +53,12 @@ def main() -> None:
     )
     ap.add_argument("--name", default="", help="suffix of the output folders (required with --set)")
     ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also evaluate the last probe set's learned variants with evaluate.min_ratio=auto (the floor on "
+        "p/q its train run chose on validation), as the probe set '<examples>+floor'",
+    )
+    ap.add_argument(
         "--examples",
         nargs="+",
         choices=EXAMPLES,
@@ -66,7 +74,7 @@ def main() -> None:
     if not a.eval_only:
         probe_pipeline(common, data, reports, a.examples)
     if not a.skip_eval:
-        evaluate(common, data, reports, Path("eval") / run, a.examples)
+        evaluate(common, data, reports, Path("eval") / run, a.examples, a.floor)
 
 
 def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[str]) -> None:
@@ -103,21 +111,33 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
     print_curve(curve)
 
 
-def evaluate(common: list[str], data: Path, reports: Path, evals: Path, settings: list[str]) -> None:
-    """Each probe set (the 100% runs of ``settings``) evaluated with the profile's settings (resumes per
-    problem); prints the evidence table and plots pass@1 against machine time."""
-    for n, examples in enumerate(settings):
+FLOOR = "+floor"  # the suffix of a probe set evaluated with evaluate.min_ratio=auto
+
+
+def evaluate(
+    common: list[str], data: Path, reports: Path, evals: Path, settings: list[str], floor: bool = False
+) -> None:
+    """Each probe set (the 100% runs of ``settings``; with ``floor`` also the last one's learned variants
+    under the floor chosen on validation) evaluated with the profile's settings (resumes per problem);
+    prints the evidence table and plots pass@1 against machine time."""
+    sets = [*settings, *([settings[-1] + FLOOR] if floor else [])]
+    for n, name in enumerate(sets):
         if n:
-            share_baselines(evals / settings[0], evals / examples)
+            share_baselines(evals / sets[0], evals / name)
+        examples = name.removesuffix(FLOOR)
+        extra = ["--set", "evaluate.min_ratio=auto", "--set", f"evaluate.probe_variants={LEARNED}"]
         semspec(
-            "evaluate", *common,
+            "evaluate", *common, *(extra if name.endswith(FLOOR) else []),
             "--probes", str(data / f"probes-{examples}-1"),
-            "--out", str(evals / examples), "--plots", str(reports / f"eval-{examples}"),
-            "--metrics", str(reports / f"eval-{examples}.json"),
+            "--out", str(evals / name), "--plots", str(reports / f"eval-{name}"),
+            "--metrics", str(reports / f"eval-{name}.json"),
         )  # fmt: skip
-    table = {examples: evidence(evals / examples) for examples in settings}
-    print_evidence(table, json.loads((evals / settings[0] / "metrics.json").read_text())["_models"])
+    table = {name: evidence(evals / name) for name in sets}
+    print_evidence(table, json.loads((evals / sets[0] / "metrics.json").read_text())["_models"])
     plot_evidence(table, reports / "pass_vs_latency.png")
+
+
+LEARNED = "[all,last]"  # the variants a floor applies to (Random keeps the paper's rule)
 
 
 BASELINES = ("target", "draft")  # methods that read no probe: the same rows whichever probe set is evaluated
@@ -208,14 +228,14 @@ def _ci(v: list[float] | None, sign: str = "+") -> str:
 def print_evidence(table: dict[str, dict[str, dict[str, Any]]], models: Any) -> None:
     """One line per probe set and method."""
     print(f"models: {json.dumps(models)}")
-    head = f"{'probes':6s} {'method':22s} {'n':>3s} {'pass@1':>6s} {'95% CI':>14s} {'vs target':>9s} {'95% CI':>16s}"
+    head = f"{'probes':11s} {'method':22s} {'n':>3s} {'pass@1':>6s} {'95% CI':>14s} {'vs target':>9s} {'95% CI':>16s}"
     print(head + f" {'vs draft':>8s} {'95% CI':>16s} {'speed-up':>8s} {'target share':>12s} {'accept':>6s}")
     for examples, methods in table.items():
         for label, m in sorted(methods.items()):
             ci = m.get("pass@1_ci95")
             acc = m.get("step_acceptance")
             print(
-                f"{examples:6s} {label:22s} {m['n']:3d} {m['pass@1']:6.3f} {_ci(ci, ''):>14s} "
+                f"{examples:11s} {label:22s} {m['n']:3d} {m['pass@1']:6.3f} {_ci(ci, ''):>14s} "
                 f"{m.get('delta_vs_target') or 0:+9.3f} {_ci(m.get('delta_vs_target_ci95')):>16s} "
                 f"{m.get('delta_vs_draft') or 0:+8.3f} {_ci(m.get('delta_vs_draft_ci95')):>16s} "
                 f"{m.get('speedup_latency') or 0:7.2f}x {m['target_share']:12.2f} "
@@ -231,7 +251,7 @@ def plot_evidence(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for examples, marker in zip(table, "os^", strict=False):  # a marker per probe set
+    for examples, marker in zip(table, "os^D", strict=False):  # a marker per probe set
         for label, m in sorted(table[examples].items()):
             ax.scatter(m["cost_s"], m["pass@1"], marker=marker, s=50, label=f"{label} ({examples} probes)")
     ax.set(xlabel="machine time per problem (s)", ylabel="pass@1", title="weak draft: pass@1 vs latency")

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from semspec.models.names import PROBE_METHOD, parse_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.fingerprint import pipeline_fingerprint
@@ -25,12 +26,12 @@ def run_key(
     ``run_identity`` (probe versions, salvage). Rows with another key are stale
     and decoded again. The number of actors is not part of it (a row does not depend on which replica
     decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
-    probes' identity, not in the key of the other methods' rows."""
-    settings = {
-        k: v
-        for k, v in asdict(cfg).items()
-        if k not in ("benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain")
-    }
+    probes' identity, not in the key of the other methods' rows; neither is the floor on p/q, which only
+    SemanticSpec reads (so its rows with and without a floor share the same baseline rows)."""
+    skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain"}
+    if parse_label(label)[0] != PROBE_METHOD:
+        skip.add("min_ratio")
+    settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
     spec = {k: v for k, v in asdict(pair).items() if k != "description"}
     return config_hash(
         {

@@ -39,6 +39,17 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
     assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
 
 
+def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path):
+    """``evaluate.min_ratio`` is read by SemanticSpec alone: the baselines' rows keep their run key under a
+    floor (so the ``+floor`` evaluation resumes the shared ones), SemanticSpec's get another."""
+    pair = write_tiny_pair(tmp_path)
+    plain = load_params(profile="tiny").evaluate
+    floor = load_params(profile="tiny", overrides=["evaluate.min_ratio=auto"]).evaluate
+    for label in ("target", "draft"):
+        assert run_key(plain, pair, label, None) == run_key(floor, pair, label, None)
+    assert run_key(plain, pair, "semanticspec-all", None) != run_key(floor, pair, "semanticspec-all", None)
+
+
 def test_the_learning_curve_prints_the_oracle_once(capsys):
     def m(true_accept):
         return {
