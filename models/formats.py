@@ -150,10 +150,9 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
     """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
     one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU with AVX512_BF16 (what
     semspec's int4 kernel needs) ``int4``, whose dense calls (above 8 rows, 6 with AMX) run in bfloat16;
-    on any other CPU ``int8``,
-    whose dense calls run in bfloat16 where the CPU has native bfloat16 (AMX alone) and in float32
-    elsewhere (bfloat16 without native support is 3-5x slower than float32 for every call with many
-    rows)."""
+    on any other CPU ``int8``, whose dense calls run in bfloat16 where the CPU has native bfloat16 (AMX
+    alone) and in float32 elsewhere (bfloat16 without native support is 3-5x slower than float32 for
+    every call with many rows)."""
     if requested not in FORMATS:
         raise ValueError(f"field 'dtype' must be one of {FORMATS}, got {requested!r}")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
