@@ -9,7 +9,7 @@ cross, cluster: each resumes after a crash), trains the probes with ``train.exam
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
-and shared); ``--floor`` also evaluates the last set's learned variants with ``evaluate.min_ratio=auto``
+and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
 (the floor on p/q its train run chose on validation) into ``<examples>+floor/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
 probes, not the samples). Prints the learning curve and the evaluations' table. Each model's format is in the tables' notes. ``--set`` overrides
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument(
         "--floor",
         action="store_true",
-        help="also evaluate the last probe set's learned variants with evaluate.min_ratio=auto (the floor on "
+        help="also evaluate the last probe set's all variant with evaluate.min_ratio=auto (the floor on "
         "p/q its train run chose on validation), as the probe set '<examples>+floor'",
     )
     ap.add_argument(
@@ -125,7 +125,7 @@ def evaluate(
         if n:
             share_baselines(evals / sets[0], evals / name)
         examples = name.removesuffix(FLOOR)
-        extra = ["--set", "evaluate.min_ratio=auto", "--set", f"evaluate.probe_variants={LEARNED}"]
+        extra = ["--set", "evaluate.min_ratio=auto", "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"]
         semspec(
             "evaluate", *common, *(extra if name.endswith(FLOOR) else []),
             "--probes", str(data / f"probes-{examples}-1"),
@@ -137,7 +137,7 @@ def evaluate(
     plot_evidence(table, reports / "pass_vs_latency.png")
 
 
-LEARNED = "[all,last]"  # the variants a floor applies to (Random keeps the paper's rule)
+FLOOR_VARIANTS = "[all]"  # evaluated under the floor: the headline variant (Random keeps the paper's rule)
 
 
 BASELINES = ("target", "draft")  # methods that read no probe: the same rows whichever probe set is evaluated
