@@ -117,7 +117,7 @@ FLOOR = "+floor"  # the suffix of a probe set evaluated with evaluate.min_ratio=
 def evaluate(
     common: list[str], data: Path, reports: Path, evals: Path, settings: list[str], floor: bool = False
 ) -> None:
-    """Each probe set (the 100% runs of ``settings``; with ``floor`` also the last one's learned variants
+    """Each probe set (the 100% runs of ``settings``; with ``floor`` also the last one's ``all`` variant
     under the floor chosen on validation) evaluated with the profile's settings (resumes per problem);
     prints the evidence table and plots pass@1 against machine time."""
     sets = [*settings, *([settings[-1] + FLOOR] if floor else [])]
