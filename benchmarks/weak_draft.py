@@ -12,8 +12,8 @@ register), then evaluates each probe set (``semspec evaluate``, resumable per pr
 and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
 (the floor on p/q its train run chose on validation) into ``<examples>+floor/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
-probes, not the samples). Prints the learning curve and the evaluations' table. Each model's format is in the tables' notes. ``--set`` overrides
-params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
+probes, not the samples). Prints the learning curve and the evaluations' table. Each model's format is
+in the tables' notes. ``--set`` overrides params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
 keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
 """
 
