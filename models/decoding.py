@@ -31,7 +31,7 @@ import torch
 
 from semspec.models.grading import extract_answer
 from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to
-from semspec.models.names import ROLES
+from semspec.models.names import MIN_RATIO_AUTO, ROLES
 
 
 class MethodNotApplicable(ValueError):
@@ -56,8 +56,9 @@ class DecodeSettings:
     lookahead: int = 4
     # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
     rewrite_wait: int = 0
-    # also reject when p/q falls below this (off by default); "auto" is resolved to a number or None by
-    # whoever loads the probes (semspec.tasks.decoders.build_decoder), before a decoder reads it
+    # also reject when p/q falls below this (off by default); MIN_RATIO_AUTO ("auto") is resolved to a
+    # number or None by whoever loads the probes (semspec.tasks.decoders.build_decoder), before a decoder
+    # reads it
     min_ratio: float | str | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
@@ -81,7 +82,7 @@ class DecodeSettings:
         if self.rewrite_wait < 0:
             raise ValueError(f"rewrite_wait must be >= 0, got {self.rewrite_wait}")
         ratio = self.min_ratio
-        if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 0):
+        if ratio is not None and ratio != MIN_RATIO_AUTO and (isinstance(ratio, str) or ratio < 0):
             raise ValueError(f"min_ratio must be None, a number >= 0 or 'auto', got {ratio!r}")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")

@@ -17,6 +17,7 @@ import yaml
 from semspec.models.names import (
     ALL_DOMAINS,
     METHODS,
+    MIN_RATIO_AUTO,
     PROBE_METHOD,
     PROBE_VARIANTS,
     ROLES,
@@ -40,7 +41,6 @@ def _positive(where: str, **values: float) -> None:
 
 
 INGEST_SOURCES = ("arith", "s1k", "math500", "aime24", "amc23")  # sources with reasoning chains
-AUTO = "auto"  # evaluate.min_ratio: the floor each probe pair's train run chose on validation
 TRACE_AUTHORS = ("data", "target", "draft")  # who writes the reasoning chains prefixes are cut from
 
 
@@ -318,7 +318,11 @@ class EvaluateConfig:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"evaluate: field '{name}' must be a count >= 0, got {value!r}")
         ratio = self.min_ratio
-        if ratio is not None and ratio != AUTO and (not isinstance(ratio, int | float) or ratio < 0):
+        if (
+            ratio is not None
+            and ratio != MIN_RATIO_AUTO
+            and (not isinstance(ratio, int | float) or ratio < 0)
+        ):
             raise ValueError(
                 f"evaluate: field 'min_ratio' must be null, a number >= 0 or 'auto', got {ratio!r}"
             )

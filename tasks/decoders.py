@@ -17,11 +17,11 @@ from semspec.models.decoding import (
     SpecReasonDecoder,
 )
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import METHODS, split_probe_key
+from semspec.models.names import METHODS, MIN_RATIO_AUTO, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
-from semspec.tasks.config import AUTO, EvaluateConfig
+from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.probe_registry import load_probe, registered_floor
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def build_decoder(
     """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``: the
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
     champions, and resolves ``min_ratio: auto`` to the floor their train run chose on validation (none
-    for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
-    vocabularies)."""
+    for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this
+    pair (``specsampling`` across vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if method in ("target", "draft"):
@@ -109,7 +109,7 @@ def build_decoder(
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
     base, _ = split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
-    if settings.min_ratio == AUTO:
+    if settings.min_ratio == MIN_RATIO_AUTO:
         floor = (
             None if base == "random" else registered_floor(pair.name, variant, pins.get(f"target-{variant}"))
         )

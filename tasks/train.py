@@ -794,12 +794,13 @@ def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, 
 
 
 def _tag_floors(routing: dict[str, dict[str, float]], pointers: dict[str, dict[str, Any]]) -> None:
-    """Tag both registered probes of each variant with the ``min_ratio`` chosen on the validation
-    questions (``evaluate.min_ratio: auto`` reads it back at decode time)."""
+    """Tag both registered probes of each trained variant with the ``min_ratio`` chosen on the validation
+    questions (``evaluate.min_ratio: auto`` reads it back at decode time; Random keeps the paper's rule
+    and is not tagged)."""
     client = mlflow.MlflowClient()
     for variant, m in routing.items():
         floor = m.get("min_ratio")
-        if floor is None or not np.isfinite(floor):
+        if variant == "random" or floor is None or not np.isfinite(floor):  # keys: plain variants, oracle
             continue
         for role in ROLES:
             ref = pointers.get(f"{role}-{variant}")

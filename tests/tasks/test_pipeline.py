@@ -910,6 +910,11 @@ def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, train
             tag = mv.tags.get("min_ratio")
             assert (tag is None) == (chosen is None), (variant, role, tag, chosen)
             assert tag is None or float(tag) == pytest.approx(chosen, rel=1e-5)
+    for role in ("draft", "target"):  # Random keeps the paper's rule: its probes carry no floor
+        assert (
+            "min_ratio"
+            not in client.get_model_version_by_alias(f"semspec-tiny-{role}-random", "champion").tags
+        )
     pair, lms = stages["pair"], stages["lms"]
     auto = DecodeSettings(max_new_tokens=8, step_tokens=4, min_ratio="auto")
     mv = versions["target", "all"]
