@@ -12,7 +12,8 @@ register), then evaluates each probe set (``semspec evaluate``, resumable per pr
 and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
 (the floor on p/q its train run chose on validation) into ``<examples>+floor/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
-probes, not the samples). Prints the learning curve and the evaluations' table. Each model's format is
+probes, not the samples). Prints the learning curve, the evaluations' table and, per step position in
+the answers, SemanticSpec's acceptance, p and q (``by_depth``). Each model's format is
 in the tables' notes. ``--set`` overrides params for every command (a smaller run: ``--set ingest.max_questions=24 --name q24``); ``--name`` then
 keeps its outputs apart, in ``<pair>-<profile>-<name>`` folders.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from math import nan
@@ -134,6 +136,7 @@ def evaluate(
         )  # fmt: skip
     table = {name: evidence(evals / name) for name in sets}
     print_evidence(table, json.loads((evals / sets[0] / "metrics.json").read_text())["_models"])
+    print_depths({name: by_depth(evals / name) for name in sets})
     plot_evidence(table, reports / "pass_vs_latency.png")
 
 
@@ -241,6 +244,53 @@ def print_evidence(table: dict[str, dict[str, dict[str, Any]]], models: Any) -> 
                 f"{m.get('speedup_latency') or 0:7.2f}x {m['target_share']:12.2f} "
                 f"{'' if acc is None else f'{acc:.2f}':>6s}"
             )
+
+
+DEPTHS = ((0, 0), (1, 1), (2, 2), (3, 5), (6, 9), (10, None))  # step positions in an answer, bins
+
+
+def by_depth(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """Per SemanticSpec label of one evaluation, per bin of step positions (``DEPTHS``; 0: an answer's
+    first step): the draft steps judged, the share accepted, the medians of p and q and the share with
+    p/q >= 1 (which the rule a = min(1, p/q) always accepts). Where the routing metrics (steps sampled
+    after the training contexts) and a decode part, this shows at which depth."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("*/semanticspec-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            steps = [s for s in json.loads(line).get("steps", []) if s.get("p") is not None]
+            for pos, step in enumerate(steps):
+                out.setdefault(path.stem, []).append({**step, "pos": pos})
+    table = {}
+    for label, steps in out.items():
+        table[label] = []
+        for lo, hi in DEPTHS:
+            got = [s for s in steps if s["pos"] >= lo and (hi is None or s["pos"] <= hi)]
+            if got:
+                table[label].append(
+                    {
+                        "depth": f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}",
+                        "n": len(got),
+                        "accepted": statistics.mean(s["author"] == "draft" for s in got),
+                        "p": statistics.median(s["p"] for s in got),
+                        "q": statistics.median(s["q"] for s in got),
+                        "ratio_ge_1": statistics.mean(s["p"] >= s["q"] for s in got),
+                    }
+                )
+    return table
+
+
+def print_depths(tables: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    """``by_depth`` of each probe set: one line per method and bin of step positions."""
+    print(
+        f"{'probes':11s} {'method':22s} {'step':>5s} {'n':>5s} {'accepted':>8s} {'median p':>8s} {'median q':>8s} {'p >= q':>6s}"
+    )
+    for examples, table in tables.items():
+        for label, bins in sorted(table.items()):
+            for b in bins:
+                print(
+                    f"{examples:11s} {label:22s} {b['depth']:>5s} {b['n']:5d} {b['accepted']:8.2f} "
+                    f"{b['p']:8.3f} {b['q']:8.3f} {b['ratio_ge_1']:6.2f}"
+                )
 
 
 def plot_evidence(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:

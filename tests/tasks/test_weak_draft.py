@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.weak_draft import print_curve, share_baselines
+from benchmarks.weak_draft import by_depth, print_curve, share_baselines
 from semspec.tasks.config import load_params
 from semspec.tasks.eval_runs import resume_rows, run_key
 from tests.helpers.pipeline import write_tiny_pair
@@ -71,3 +71,26 @@ def test_the_learning_curve_prints_the_oracle_once(capsys):
         ["both", "100%", "all"],
     ]
     assert lines[-1].split()[2:4] == ["oracle", "0.500"] and sum("oracle" in line for line in lines) == 1
+
+
+def test_acceptance_by_depth_bins_each_answers_steps_by_position(tmp_path):
+    steps = [
+        {"author": "target", "p": 0.1, "q": 0.4},  # position 0: rejected
+        {"author": "draft", "p": 0.2, "q": 0.1},  # 1
+        {"author": "draft", "p": 0.3, "q": 0.6},  # 2
+        *({"author": "draft", "p": 0.5, "q": 0.05} for _ in range(9)),  # 3..11
+    ]
+    rows = [{"question_id": "q0", "steps": steps}, {"question_id": "q1", "steps": steps[:1]}]
+    path = tmp_path / "arith" / "semanticspec-all.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "arith" / "target.jsonl").write_text(json.dumps({"question_id": "q0", "steps": []}) + "\n")
+    table = by_depth(tmp_path)
+    assert list(table) == ["semanticspec-all"]  # the baselines judge no step
+    bins = {b["depth"]: b for b in table["semanticspec-all"]}
+    assert list(bins) == ["0", "1", "2", "3-5", "6-9", "10-"]
+    assert bins["0"]["n"] == 2 and bins["0"]["accepted"] == 0 and bins["0"]["ratio_ge_1"] == 0
+    assert bins["1"]["accepted"] == 1 and bins["1"]["ratio_ge_1"] == 1
+    assert bins["2"]["ratio_ge_1"] == 0 and bins["2"]["p"] == 0.3
+    assert [bins[k]["n"] for k in ("3-5", "6-9", "10-")] == [3, 4, 2]
+    assert bins["10-"]["q"] == 0.05
