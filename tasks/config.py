@@ -41,7 +41,9 @@ def _positive(where: str, **values: float) -> None:
 
 
 INGEST_SOURCES = ("arith", "s1k", "math500", "aime24", "amc23")  # sources with reasoning chains
-TRACE_AUTHORS = ("data", "target", "draft")  # who writes the reasoning chains prefixes are cut from
+# who writes the reasoning chains prefixes are cut from: the data, one model, or SemanticSpec itself (the
+# decoder with the pair's registered probes: the contexts it meets when it decodes)
+TRACE_AUTHORS = ("data", "target", "draft", "semanticspec")
 
 
 @dataclass
@@ -62,7 +64,10 @@ class IngestConfig:
     # who writes each question's reasoning chain: data (the source's own; the target fills missing ones
     # with generate_traces) | target | draft (that model writes every chain, greedy, within
     # trace_max_tokens; with draft, the prefixes are contexts the draft wrote, as SemanticSpec's are once
-    # it has accepted draft steps); a list cuts prefixes from each author's chain of every question
+    # it has accepted draft steps) | semanticspec (the SemanticSpec decoder writes every chain, greedy,
+    # with the pair's registered champion probes of the all variant: the contexts decoding meets, draft
+    # steps and target rewrites, to train the next probes on; needs a trained pair, and reads the
+    # registry, which DVC does not track); a list cuts prefixes from each author's chain of every question
     # (mixed contexts, e.g. [data, draft]), up to max_prefixes_per_question per chain
     trace_author: str | list[str] = "data"
     trace_max_tokens: int = 256  # token budget of a generated trace

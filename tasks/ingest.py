@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import LM, load_lm
 from semspec.models.pair import PairConfig
 from semspec.models.steps import joiner, split_steps
@@ -23,6 +25,7 @@ from semspec.tasks.data import (
     load_source,
     resolve_data_dir,
 )
+from semspec.tasks.decoders import build_decoder
 from semspec.tasks.io import file_md5, write_parquet_atomic
 
 log = logging.getLogger(__name__)
@@ -107,12 +110,30 @@ def write_trace(lm: LM, question: str, max_tokens: int) -> str:
     return text
 
 
+TRACE_VARIANT = "all"  # the probes the semanticspec author decodes with (the registered champions)
+
+
+def semanticspec_writer(pair: PairConfig, lms: dict[str, LM], max_tokens: int) -> Callable[[str], str]:
+    """A function question -> the chain the SemanticSpec decoder writes for it (greedy, within
+    ``max_tokens``, with the pair's champion probes of ``TRACE_VARIANT``). A pair without registered
+    probes is a ``ValueError`` that says how to train them."""
+    settings = DecodeSettings(max_new_tokens=max_tokens, temperature=0.0)
+    try:
+        decoder = build_decoder("semanticspec", pair, lms, settings, TRACE_VARIANT)
+    except ValueError as err:
+        raise ValueError(
+            f"ingest: trace_author 'semanticspec' decodes with the pair's registered probes: {err}"
+        ) from None
+    return lambda question: decoder.decode(question).text
+
+
 def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM | None = None) -> Path:
     """Build ``prefixes.parquet`` at ``out_path``, splitting chains into steps as the pair's models end
     them (``split_strategy``, set by ``load_pair``). Each author of ``trace_author`` gives every question
     one chain (several authors: mixed contexts; the first author's prefixes are the ones it gives alone,
     the others' have ids of their own). ``writer`` (default: the model an author names, or the target
-    with ``generate_traces``, loaded on demand) writes the traces the data does not give."""
+    with ``generate_traces``, loaded on demand) writes the traces the data does not give; the
+    ``semanticspec`` author decodes with both models and the registered probes (``semanticspec_writer``)."""
     authors = cfg.trace_authors()
     split = pair.target.split
     after = joiner(split, pair.target.delimiter)  # what follows each step of a context
@@ -120,11 +141,20 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM |
     # the first author's prefixes are drawn and named as when it writes alone; the others' apart
     rngs = {a: random.Random(cfg.seed if i == 0 else f"{cfg.seed}:{a}") for i, a in enumerate(authors)}
     writers: dict[str, LM] = {}
+    decoded: list[Callable[[str], str]] = []  # the semanticspec author's writer, built on first use
 
-    def write(model: str, question: str) -> str:
+    def lm(model: str) -> LM:
         if model not in writers:
             writers[model] = writer or load_lm(pair.role(model))
-        return write_trace(writers[model], question, cfg.trace_max_tokens)
+        return writers[model]
+
+    def write(model: str, question: str) -> str:
+        if model == "semanticspec":
+            if not decoded:
+                lms = {role: lm(role) for role in ("draft", "target")}
+                decoded.append(semanticspec_writer(pair, lms, cfg.trace_max_tokens))
+            return decoded[0](question)
+        return write_trace(lm(model), question, cfg.trace_max_tokens)
 
     rows, too_long, no_chain, generated = [], 0, 0, 0
     for prob in tqdm(problems, desc="ingest", unit="question"):

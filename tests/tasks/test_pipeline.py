@@ -643,6 +643,45 @@ def test_ingest_mixes_contexts_from_several_trace_authors(tmp_path, monkeypatch)
         load_params(overrides=["ingest.trace_author=[draft, draft]"])
 
 
+def test_ingest_cuts_contexts_from_the_semanticspec_decoders_own_chains(tmp_path, monkeypatch):
+    """``trace_author: semanticspec``: the chains are what the SemanticSpec decoder writes (greedy, within
+    ``trace_max_tokens``, the champion ``all`` probes), built once for every question; a pair without
+    registered probes is an error that says so."""
+    from semspec.models.decoding import DecodeResult
+    from semspec.tasks import ingest
+
+    pair = write_tiny_pair(tmp_path / "pair")
+    monkeypatch.setattr(ingest, "load_lm", lambda spec: spec.model_id)
+    built = []
+
+    class Decoder:
+        def decode(self, question):
+            return DecodeResult(
+                "semanticspec-all", f"Spec one ({question[:6]}).\n\nSpec two.\n\nSpec three.", None
+            )
+
+    def build(method, pair_, lms, settings, variant):
+        built.append((method, sorted(lms.values()), settings.max_new_tokens, settings.temperature, variant))
+        return Decoder()
+
+    monkeypatch.setattr(ingest, "build_decoder", build)
+    base = ["ingest.max_questions=4", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=24"]
+    p = load_params(overrides=[*base, "ingest.trace_author=semanticspec"])
+    rows = pq.read_table(run_ingest(p.ingest, pair, tmp_path / "a.parquet")).to_pylist()
+    assert built == [("semanticspec", sorted([pair.draft.model_id, pair.target.model_id]), 24, 0.0, "all")]
+    assert len(rows) == 3 * 4 and {r["step_index"] for r in rows} == {0, 1, 2}
+    assert all(r["context"].startswith(f"Spec one ({r['question'][:6]}).") for r in rows if r["step_index"])
+
+    def unregistered(*args):
+        raise ValueError("no registered probe semspec-tiny-target-all@champion")
+
+    monkeypatch.setattr(ingest, "build_decoder", unregistered)
+    with pytest.raises(
+        ValueError, match="trace_author 'semanticspec' decodes with the pair's registered probes"
+    ):
+        run_ingest(p.ingest, pair, tmp_path / "b.parquet")
+
+
 def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
     """``split_strategy: sentence`` is one setting every stage reads: ingest's contexts are whole sentences
     joined by a space (more steps than paragraphs), the models end their samples at sentence ends, and
