@@ -2,7 +2,7 @@
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
                                     [--set section.key=value ... --name NAME] [--examples own both]
-                                    [--floor]
+                                    [--floor] [--min-p]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
@@ -10,7 +10,9 @@ cross, cluster: each resumes after a crash), trains the probes with ``train.exam
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
 and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
-(the floor on p/q its train run chose on validation) into ``<examples>+floor/``. A step already done
+(the floor on p/q its train run chose on validation) into ``<examples>+floor/``, and ``--min-p`` with
+``evaluate.min_p=auto`` (the target's rule, accept iff p >= the floor on p chosen likewise) into
+``<examples>+p/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
 probes, not the samples). Prints the learning curve, the evaluations' table and, per step position in
 the answers, SemanticSpec's acceptance, p and q (``by_depth``). Each model's format is
@@ -25,6 +27,7 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from math import nan
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,12 @@ def main() -> None:
         "p/q its train run chose on validation), as the probe set '<examples>+floor'",
     )
     ap.add_argument(
+        "--min-p",
+        action="store_true",
+        help="also evaluate the last probe set's all variant with evaluate.min_p=auto (the target's rule: "
+        "accept iff p >= the floor its train run chose on validation), as the probe set '<examples>+p'",
+    )
+    ap.add_argument(
         "--examples",
         nargs="+",
         choices=EXAMPLES,
@@ -76,7 +85,8 @@ def main() -> None:
     if not a.eval_only:
         probe_pipeline(common, data, reports, a.examples)
     if not a.skip_eval:
-        evaluate(common, data, reports, Path("eval") / run, a.examples, a.floor)
+        rules = [rule for rule, on in ((FLOOR, a.floor), (MIN_P, a.min_p)) if on]
+        evaluate(common, data, reports, Path("eval") / run, a.examples, rules)
 
 
 def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[str]) -> None:
@@ -113,23 +123,26 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
     print_curve(curve)
 
 
-FLOOR = "+floor"  # the suffix of a probe set evaluated with evaluate.min_ratio=auto
+FLOOR, MIN_P = "+floor", "+p"  # suffixes of a probe set evaluated under a floor chosen on validation
+RULES = {FLOOR: "evaluate.min_ratio=auto", MIN_P: "evaluate.min_p=auto"}  # suffix -> its setting
 
 
 def evaluate(
-    common: list[str], data: Path, reports: Path, evals: Path, settings: list[str], floor: bool = False
+    common: list[str], data: Path, reports: Path, evals: Path, settings: list[str], rules: Sequence[str] = ()
 ) -> None:
-    """Each probe set (the 100% runs of ``settings``; with ``floor`` also the last one's ``all`` variant
-    under the floor chosen on validation) evaluated with the profile's settings (resumes per problem);
-    prints the evidence table and plots pass@1 against machine time."""
-    sets = [*settings, *([settings[-1] + FLOOR] if floor else [])]
+    """Each probe set (the 100% runs of ``settings``; for each of ``rules`` (``FLOOR``, ``MIN_P``) also the
+    last one's ``all`` variant under that floor chosen on validation) evaluated with the profile's
+    settings (resumes per problem); prints the evidence table and plots pass@1 against machine time."""
+    sets = [*settings, *(settings[-1] + rule for rule in rules)]
     for n, name in enumerate(sets):
         if n:
             share_baselines(evals / sets[0], evals / name)
-        examples = name.removesuffix(FLOOR)
-        extra = ["--set", "evaluate.min_ratio=auto", "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"]
+        examples, _, rule = name.partition("+")
+        extra = (
+            ["--set", RULES[f"+{rule}"], "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"] if rule else []
+        )
         semspec(
-            "evaluate", *common, *(extra if name.endswith(FLOOR) else []),
+            "evaluate", *common, *extra,
             "--probes", str(data / f"probes-{examples}-1"),
             "--out", str(evals / name), "--plots", str(reports / f"eval-{name}"),
             "--metrics", str(reports / f"eval-{name}.json"),
@@ -177,7 +190,8 @@ def print_curve(curve: dict) -> None:
     questions and variant."""
     print(
         f"{'examples':8s} {'train':>6s} {'variant':8s} {'true acc':>9s} {'false acc':>10s} {'AUROC':>7s} {'n':>5s}"
-        f" {'AUROC p':>8s} {'min ratio':>9s} {'true acc':>9s} {'false acc':>10s}  (the last two at min ratio)"
+        f" {'AUROC p':>8s} {'min ratio':>9s} {'true acc':>9s} {'false acc':>10s}"
+        f" {'min p':>6s} {'true acc':>9s} {'false acc':>10s}  (at min ratio; at min p, the target's rule)"
     )
     oracle = None  # true shares in place of the probes: the same for every run, printed once
     for (examples, frac), routing in curve.items():
@@ -195,7 +209,8 @@ def _curve_line(examples: str, train: str, variant: str, m: dict) -> None:
         f"{examples:8s} {train:>6s} {variant:8s} {m['true_accept']:9.3f} {m['false_accept']:10.3f} "
         f"{m['auroc']:7.3f} {m['n_shared'] + m['n_not_shared']:5d} {m.get('auroc_p', nan):8.3f}"
         f" {m.get('min_ratio', nan):9.3f} {m.get('true_accept_at_min_ratio', nan):9.3f}"
-        f" {m.get('false_accept_at_min_ratio', nan):10.3f}"
+        f" {m.get('false_accept_at_min_ratio', nan):10.3f} {m.get('min_p', nan):6.3f}"
+        f" {m.get('true_accept_at_min_p', nan):9.3f} {m.get('false_accept_at_min_p', nan):10.3f}"
     )
 
 

@@ -39,9 +39,10 @@ def _cell(x: float | int) -> str:
 def routing_table_md(routing: dict) -> str:
     """Routing metrics per probe variant (and the oracle): does min(1, p/q) accept the draft steps the
     target shares, and refuse the others? With the floor on p/q chosen on validation steps, and its test
-    rates (nan: not chosen)."""
+    rates (nan: not chosen), and likewise the floor of the target's rule (accept iff p >= min_p)."""
     cols = ["true_accept", "false_accept", "auroc", "auroc_p", "n_shared", "n_not_shared", "min_ratio"]
     cols += ["true_accept_at_min_ratio", "false_accept_at_min_ratio"]
+    cols += ["min_p", "true_accept_at_min_p", "false_accept_at_min_p"]
     lines = [
         "| routing (test draft steps) | " + " | ".join(cols) + " |",
         "|" + "---|" * (len(cols) + 1),

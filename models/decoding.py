@@ -31,7 +31,7 @@ import torch
 
 from semspec.models.grading import extract_answer
 from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to
-from semspec.models.names import MIN_RATIO_AUTO, ROLES
+from semspec.models.names import FLOOR_AUTO, ROLES
 
 
 class MethodNotApplicable(ValueError):
@@ -56,10 +56,13 @@ class DecodeSettings:
     lookahead: int = 4
     # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
     rewrite_wait: int = 0
-    # also reject when p/q falls below this (off by default); MIN_RATIO_AUTO ("auto") is resolved to a
+    # also reject when p/q falls below this (off by default); FLOOR_AUTO ("auto") is resolved to a
     # number or None by whoever loads the probes (semspec.tasks.decoders.build_decoder), before a decoder
     # reads it
     min_ratio: float | str | None = None
+    # the target's rule in place of the paper's: accept a step iff p >= min_p, no draw, q not read (for
+    # greedy decoding: keep the steps whose meaning the target likely shares); "auto" as for min_ratio
+    min_p: float | str | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
@@ -81,9 +84,12 @@ class DecodeSettings:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.rewrite_wait < 0:
             raise ValueError(f"rewrite_wait must be >= 0, got {self.rewrite_wait}")
-        ratio = self.min_ratio
-        if ratio is not None and ratio != MIN_RATIO_AUTO and (isinstance(ratio, str) or ratio < 0):
-            raise ValueError(f"min_ratio must be None, a number >= 0 or 'auto', got {ratio!r}")
+        for name in ("min_ratio", "min_p"):
+            floor = getattr(self, name)
+            if floor is not None and floor != FLOOR_AUTO and (isinstance(floor, str) or floor < 0):
+                raise ValueError(f"{name} must be None, a number >= 0 or 'auto', got {floor!r}")
+        if self.min_ratio is not None and self.min_p is not None:
+            raise ValueError("min_ratio and min_p are two acceptance rules: set one of them, not both")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -569,11 +575,12 @@ class SemanticSpecDecoder(_DraftTarget):
         settings: DecodeSettings,
         probe_ids: dict[str, str] | None = None,
     ) -> None:
-        if isinstance(settings.min_ratio, str):
-            raise ValueError(
-                "min_ratio 'auto' names the probes' own floor: resolve it to a number or None before "
-                "decoding (semspec.tasks.decoders.build_decoder reads it from the registered probes)"
-            )
+        for name in ("min_ratio", "min_p"):
+            if isinstance(getattr(settings, name), str):
+                raise ValueError(
+                    f"{name} 'auto' names the probes' own floor: resolve it to a number or None before "
+                    "decoding (semspec.tasks.decoders.build_decoder reads it from the registered probes)"
+                )
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe
         self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
@@ -581,9 +588,10 @@ class SemanticSpecDecoder(_DraftTarget):
     @property
     def run_identity(self) -> dict:
         """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage and the
-        floor on p/q where there is one (``min_ratio: auto`` resolves per probe pair)."""
-        floor = {} if self.settings.min_ratio is None else {"min_ratio": self.settings.min_ratio}
-        return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floor}
+        floor on p/q or on p where there is one (``auto`` resolves per probe pair)."""
+        floors = {k: getattr(self.settings, k) for k in ("min_ratio", "min_p")}
+        floors = {k: v for k, v in floors.items() if v is not None}
+        return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
@@ -643,7 +651,8 @@ class SemanticSpecDecoder(_DraftTarget):
     def _judge(self, rows: list[_Row], steps: list[StepSample]) -> list[_Verdict]:
         """The target prefills each row's step on its cache (in place, all rows in one padded prefill)
         and the probes give q and p (batched); a step is accepted when ``u < min(1, p/q)`` (and
-        ``p/q >= min_ratio`` when set). Returns each row's verdict."""
+        ``p/q >= min_ratio`` when set), or with ``min_p`` when ``p >= min_p``. Returns each row's
+        verdict."""
         s, tms = self.settings, _timings(rows)
         restores = [r.target.checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
         with _Clock(tms, "probe"):
@@ -665,7 +674,10 @@ class SemanticSpecDecoder(_DraftTarget):
         for b, row in enumerate(rows):
             p, q, u = ps[b], qs[b], row.rng.random()
             ratio = p / q if q > 0 else float("inf")
-            accept = scores[b] is not None and u < min(1.0, ratio)
+            if s.min_p is not None:  # the target's rule: its probe alone (u is drawn all the same)
+                accept = scores[b] is not None and p >= s.min_p
+            else:
+                accept = scores[b] is not None and u < min(1.0, ratio)
             if accept and s.min_ratio is not None and ratio < s.min_ratio:
                 accept = False
             verdicts.append(_Verdict(scores[b], accept, {"p": p, "q": q, "u": u}, restores[b]))

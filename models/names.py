@@ -23,8 +23,8 @@ FEATURE_COLUMNS = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
 STAGES = ("ingest", "sample", "cross", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order
 SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the registered probes
 CHAMPION = "champion"  # registry alias of the probe version that decoding loads
-# min_ratio (evaluate and DecodeSettings): the floor on p/q the probe pair's train run chose on validation
-MIN_RATIO_AUTO = "auto"
+# min_ratio and min_p (evaluate and DecodeSettings): the floor the probe pair's train run chose on validation
+FLOOR_AUTO = "auto"
 ALL_DOMAINS = "all"  # the probes trained on every domain's data (keys and names without a domain)
 _DOMAIN_RE = re.compile(r"[A-Za-z0-9_.]+")
 

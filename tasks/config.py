@@ -16,8 +16,8 @@ import yaml
 
 from semspec.models.names import (
     ALL_DOMAINS,
+    FLOOR_AUTO,
     METHODS,
-    MIN_RATIO_AUTO,
     PROBE_METHOD,
     PROBE_VARIANTS,
     ROLES,
@@ -290,6 +290,9 @@ class EvaluateConfig:
     # auto (the floor the train run chose on the validation questions for each learned variant's probes;
     # none where it chose none; Random keeps the paper's rule)
     min_ratio: float | str | None = None
+    # semanticspec accepts a step iff the target's p >= this, in place of the paper's draw on min(1, p/q)
+    # (the target's rule, for greedy decoding): null (the paper's rule), a number, or auto (as min_ratio)
+    min_p: float | str | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
@@ -322,14 +325,19 @@ class EvaluateConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"evaluate: field '{name}' must be a count >= 0, got {value!r}")
-        ratio = self.min_ratio
-        if (
-            ratio is not None
-            and ratio != MIN_RATIO_AUTO
-            and (not isinstance(ratio, int | float) or ratio < 0)
-        ):
+        for name in ("min_ratio", "min_p"):
+            floor = getattr(self, name)
+            if (
+                floor is not None
+                and floor != FLOOR_AUTO
+                and (not isinstance(floor, int | float) or floor < 0)
+            ):
+                raise ValueError(
+                    f"evaluate: field '{name}' must be null, a number >= 0 or 'auto', got {floor!r}"
+                )
+        if self.min_ratio is not None and self.min_p is not None:
             raise ValueError(
-                f"evaluate: field 'min_ratio' must be null, a number >= 0 or 'auto', got {ratio!r}"
+                "evaluate: fields 'min_ratio' and 'min_p' are two acceptance rules: set one, not both"
             )
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")

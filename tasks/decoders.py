@@ -17,12 +17,12 @@ from semspec.models.decoding import (
     SpecReasonDecoder,
 )
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import METHODS, MIN_RATIO_AUTO, split_probe_key
+from semspec.models.names import FLOOR_AUTO, METHODS, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
 from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.probe_registry import load_probe, registered_floor
+from semspec.tasks.probe_registry import MIN_P_TAG, MIN_RATIO_TAG, load_probe, registered_floor
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ def decode_settings(cfg: EvaluateConfig, **overrides: Any) -> DecodeSettings:
         "top_p": cfg.top_p,
         "gamma": cfg.gamma,
         "min_ratio": cfg.min_ratio,
+        "min_p": cfg.min_p,
         "lookahead": cfg.lookahead,
         "rewrite_wait": cfg.rewrite_wait,
     }
@@ -94,8 +95,8 @@ def build_decoder(
 ) -> Decoder:
     """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``: the
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
-    champions, and resolves ``min_ratio: auto`` to the floor their train run chose on validation (none
-    for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this
+    champions, and resolves ``min_ratio: auto`` and ``min_p: auto`` to the floors their train run chose
+    on validation (none for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this
     pair (``specsampling`` across vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -109,12 +110,14 @@ def build_decoder(
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
     base, _ = split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
-    if settings.min_ratio == MIN_RATIO_AUTO:
-        floor = (
-            None if base == "random" else registered_floor(pair.name, variant, pins.get(f"target-{variant}"))
-        )
-        log.info("semanticspec-%s: min_ratio auto -> %s (chosen on the validation questions)", variant, floor)
-        settings = replace(settings, min_ratio=floor)
+    for name, tag in (("min_ratio", MIN_RATIO_TAG), ("min_p", MIN_P_TAG)):
+        if getattr(settings, name) == FLOOR_AUTO:
+            version = pins.get(f"target-{variant}")
+            floor = None if base == "random" else registered_floor(pair.name, variant, version, tag)
+            log.info(
+                "semanticspec-%s: %s auto -> %s (chosen on the validation questions)", variant, name, floor
+            )
+            settings = replace(settings, **{name: floor})
     q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
     p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))
     return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})

@@ -155,6 +155,7 @@ def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> Non
             "temperature": cfg.temperature,
             "gamma": cfg.gamma,
             "min_ratio": cfg.min_ratio,
+            "min_p": cfg.min_p,
             "seeds": cfg.seeds,
             "benchmarks": cfg.benchmarks,
             **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},

@@ -153,14 +153,18 @@ def registered_version(pair: str, role: str, variant: str, alias: str = CHAMPION
 
 
 MIN_RATIO_TAG = "min_ratio"  # a registered probe's floor on p/q, chosen on the validation questions
+MIN_P_TAG = "min_p"  # its floor on p for the target's rule (accept iff p >= min_p), chosen likewise
 
 
-def registered_floor(pair: str, variant: str, version: str | None = None) -> float | None:
-    """The ``min_ratio`` the train run chose on the validation questions for ``variant``'s probes (the
-    target probe's tag; ``version`` or the champion), or None where it chose none (no routing metrics:
-    no joint labels, or no validation step the floor could separate)."""
-    tag = (registered_version(pair, "target", variant, version=version).tags or {}).get(MIN_RATIO_TAG)
-    return None if tag is None else float(tag)
+def registered_floor(
+    pair: str, variant: str, version: str | None = None, tag: str = MIN_RATIO_TAG
+) -> float | None:
+    """The floor (``tag``: ``MIN_RATIO_TAG`` or ``MIN_P_TAG``) the train run chose on the validation
+    questions for ``variant``'s probes (the target probe's tag; ``version`` or the champion), or None
+    where it chose none (no routing metrics: no joint labels, or no validation step the floor could
+    separate)."""
+    value = (registered_version(pair, "target", variant, version=version).tags or {}).get(tag)
+    return None if value is None else float(value)
 
 
 def load_probe(

@@ -46,6 +46,7 @@ from semspec.tasks.io import (
     write_json_atomic,
 )
 from semspec.tasks.probe_registry import (
+    MIN_P_TAG,
     MIN_RATIO_TAG,
     POINTERS_FILE,
     TRACKING_ERRORS,
@@ -295,7 +296,7 @@ def routing_metrics(
 # the routing metrics logged on each probe run, beside its MSE
 ROUTING_LOGGED = (
     "true_accept", "false_accept", "auroc", "auroc_p", "min_ratio", "true_accept_at_min_ratio",
-    "false_accept_at_min_ratio",
+    "false_accept_at_min_ratio", "min_p", "true_accept_at_min_p", "false_accept_at_min_p",
 )  # fmt: skip
 
 
@@ -315,6 +316,28 @@ def choose_min_ratio(p: np.ndarray, q: np.ndarray, shared: np.ndarray) -> float 
         for t in floors
     ]
     return float(floors[int(np.argmax(gaps))])
+
+
+def choose_min_p(p: np.ndarray, shared: np.ndarray) -> float | None:
+    """The ``min_p`` of the target's rule (accept a step iff p >= min_p) that best separates these
+    (validation) draft steps: the largest true-accept minus false-accept rate, the smallest such floor.
+    None where the steps lack a side."""
+    p, shared = np.asarray(p, dtype=float), np.asarray(shared, dtype=bool)
+    if not 0 < shared.mean() < 1:
+        return None
+    floors = np.unique(p)  # ascending: ties keep the smallest
+    gaps = [(p[shared] >= t).mean() - (p[~shared] >= t).mean() for t in floors]
+    return float(floors[int(np.argmax(gaps))])
+
+
+def p_rule_rates(p: np.ndarray, shared: np.ndarray, min_p: float) -> dict[str, float]:
+    """True- and false-accept rates of the target's rule (accept iff p >= ``min_p``) on these steps."""
+    p, shared = np.asarray(p, dtype=float), np.asarray(shared, dtype=bool)
+    accept = p >= min_p
+    return {
+        "true_accept_at_min_p": float(accept[shared].mean()) if shared.any() else float("nan"),
+        "false_accept_at_min_p": float(accept[~shared].mean()) if (~shared).any() else float("nan"),
+    }
 
 
 @dataclass
@@ -370,7 +393,8 @@ def routing_table(
     (``probes``: variant -> role -> probe), and for the oracle (the true shares in place of p and q). With
     ``val_questions``, each variant also gets the ``min_ratio`` chosen on their draft steps
     (``choose_min_ratio``) and the test rates under it (``*_at_min_ratio``), so a stricter rule is judged
-    on steps it was not chosen on."""
+    on steps it was not chosen on, and likewise the ``min_p`` of the target's rule (``choose_min_p``,
+    ``*_at_min_p``)."""
     te = np.isin(data.question_id, sorted(test_questions))
     va = np.isin(data.question_id, sorted(val_questions))
     shared = data.share_target > 0
@@ -389,6 +413,9 @@ def routing_table(
                     "true_accept_at_min_ratio": strict["true_accept"],
                     "false_accept_at_min_ratio": strict["false_accept"],
                 }
+            min_p = choose_min_p(p[on_va], shared[va])
+            if min_p is not None:
+                out[variant] |= {"min_p": min_p, **p_rule_rates(p[on_te], shared[te], min_p)}
     out["oracle"] = routing_metrics(data.share_target[te], data.share_draft[te], shared[te])
     return out
 
@@ -794,18 +821,21 @@ def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, 
 
 
 def _tag_floors(routing: dict[str, dict[str, float]], pointers: dict[str, dict[str, Any]]) -> None:
-    """Tag both registered probes of each trained variant with the ``min_ratio`` chosen on the validation
-    questions (``evaluate.min_ratio: auto`` reads it back at decode time; Random keeps the paper's rule
-    and is not tagged)."""
+    """Tag both registered probes of each trained variant with the ``min_ratio`` and ``min_p`` chosen on
+    the validation questions (``evaluate.min_ratio: auto`` and ``min_p: auto`` read them back at decode
+    time; Random keeps the paper's rule and is not tagged)."""
     client = mlflow.MlflowClient()
     for variant, m in routing.items():
-        floor = m.get("min_ratio")
-        if variant == "random" or floor is None or not np.isfinite(floor):  # keys: plain variants, oracle
+        if variant == "random":  # keys: plain variants, and the oracle (no probes, so no pointers)
             continue
-        for role in ROLES:
-            ref = pointers.get(f"{role}-{variant}")
-            if ref is not None and ref.get("version") is not None:
-                client.set_model_version_tag(ref["name"], ref["version"], MIN_RATIO_TAG, f"{floor:.6g}")
+        for tag in (MIN_RATIO_TAG, MIN_P_TAG):
+            floor = m.get(tag)
+            if floor is None or not np.isfinite(floor):
+                continue
+            for role in ROLES:
+                ref = pointers.get(f"{role}-{variant}")
+                if ref is not None and ref.get("version") is not None:
+                    client.set_model_version_tag(ref["name"], ref["version"], tag, f"{floor:.6g}")
 
 
 def variant_figure(all_metrics: dict[str, dict[str, dict[str, float]]], pair: str):

@@ -85,6 +85,24 @@ def test_min_ratio_rejects_low_ratios(pair):
     assert all(s.author == "target" for s in res.steps)
 
 
+def test_min_p_accepts_by_the_targets_probe_alone(pair):
+    """The target's rule: a step is accepted iff p >= min_p, whatever q and the draw say."""
+    draft, target = pair
+    probs = iter([0.9, 0.2, 0.5] * 50)
+    settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3, min_p=0.5)
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 0.95, p_probe=lambda h: next(probs), settings=settings
+    ).decode(Q)
+    judged = [s for s in res.steps if s.p is not None]
+    assert {s.author for s in judged} == {"draft", "target"}, "this test needs both accepts and rejects"
+    for s in judged:  # p/q < 1 for every step: the paper's rule would reject some p >= 0.5 steps by draw
+        assert (s.author == "draft") == (s.p >= 0.5)
+    with pytest.raises(ValueError, match="set one of them"):
+        DecodeSettings(min_p=0.5, min_ratio=0.2)
+    with pytest.raises(ValueError, match="min_p must be"):
+        DecodeSettings(min_p=-1)
+
+
 @pytest.mark.parametrize("gamma", [2, 3])
 def test_gamma_drafts_several_steps_before_verifying(pair, gamma):
     draft, target = pair

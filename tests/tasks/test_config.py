@@ -73,6 +73,7 @@ def test_profiles_and_overrides():
         ("evaluate.rewrite_wait=x", "'rewrite_wait' must be a count"),
         ("evaluate.min_ratio=strict", "'min_ratio' must be null, a number >= 0 or 'auto'"),
         ("evaluate.min_ratio=-0.5", "'min_ratio'"),
+        ("evaluate.min_p=high", "'min_p' must be null, a number >= 0 or 'auto'"),
         ("ingest.trace_author=[data, judge]", "'trace_author'"),
     ],
 )
@@ -82,6 +83,9 @@ def test_bad_values_name_the_field(override, msg):
 
 
 def test_min_ratio_takes_auto_and_numbers():
+    assert load_params(overrides=["evaluate.min_p=auto"]).evaluate.min_p == "auto"
+    with pytest.raises(ValueError, match="two acceptance rules"):
+        load_params(overrides=["evaluate.min_p=auto", "evaluate.min_ratio=0.3"])
     assert load_params(overrides=["evaluate.min_ratio=auto"]).evaluate.min_ratio == "auto"
     assert load_params(overrides=["evaluate.min_ratio=0.4"]).evaluate.min_ratio == 0.4
 

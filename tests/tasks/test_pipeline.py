@@ -929,6 +929,18 @@ def test_the_min_ratio_is_the_floor_that_best_separates_the_steps():
     assert choose_min_ratio(p, q, np.ones(6, dtype=bool)) is None, "no side to refuse"
 
 
+def test_the_min_p_is_the_floor_on_p_that_best_separates_the_steps():
+    from semspec.tasks.train import choose_min_p, p_rule_rates
+
+    shared = np.array([True, True, True, False, False, False])
+    p = np.array([0.9, 0.6, 0.2, 0.3, 0.25, 0.05])  # a floor at 0.6 keeps 2 of 3 shared and no other
+    assert choose_min_p(p, shared) == pytest.approx(0.6)
+    rates = p_rule_rates(p, shared, 0.6)
+    assert rates["true_accept_at_min_p"] == pytest.approx(2 / 3) and rates["false_accept_at_min_p"] == 0.0
+    assert choose_min_p(np.array([0.9, 0.8, 0.7, 0.3, 0.2, 0.1]), shared) == pytest.approx(0.7)
+    assert choose_min_p(p, np.zeros(6, dtype=bool)) is None, "no side to accept"
+
+
 def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, trained):
     """The train run tags both probes of each variant with the ``min_ratio`` it chose on validation;
     ``min_ratio: auto`` resolves to that tag when the decoder is built (Random keeps the paper's rule),
@@ -942,18 +954,16 @@ def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, train
     routing = trained["_routing"]
     versions = {}
     for variant in ("last", "all", "mix"):
-        chosen = routing[variant].get("min_ratio")
         for role in ("draft", "target"):
             mv = client.get_model_version_by_alias(f"semspec-tiny-{role}-{variant}", "champion")
             versions[role, variant] = mv
-            tag = mv.tags.get("min_ratio")
-            assert (tag is None) == (chosen is None), (variant, role, tag, chosen)
-            assert tag is None or float(tag) == pytest.approx(chosen, rel=1e-5)
+            for name in ("min_ratio", "min_p"):
+                chosen, tag = routing[variant].get(name), mv.tags.get(name)
+                assert (tag is None) == (chosen is None), (variant, role, name, tag, chosen)
+                assert tag is None or float(tag) == pytest.approx(chosen, rel=1e-5)
     for role in ("draft", "target"):  # Random keeps the paper's rule: its probes carry no floor
-        assert (
-            "min_ratio"
-            not in client.get_model_version_by_alias(f"semspec-tiny-{role}-random", "champion").tags
-        )
+        tags = client.get_model_version_by_alias(f"semspec-tiny-{role}-random", "champion").tags
+        assert "min_ratio" not in tags and "min_p" not in tags
     pair, lms = stages["pair"], stages["lms"]
     auto = DecodeSettings(max_new_tokens=8, step_tokens=4, min_ratio="auto")
     mv = versions["target", "all"]
@@ -970,6 +980,20 @@ def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, train
     assert "min_ratio" not in build_decoder("semanticspec", pair, lms, auto, "random").run_identity
     with pytest.raises(ValueError, match="resolve it"):
         SemanticSpecDecoder(lms["draft"], lms["target"], dec.q_probe, dec.p_probe, auto)
+    # min_p: auto resolves the same way, from its own tag
+    auto_p = DecodeSettings(max_new_tokens=8, step_tokens=4, min_p="auto")
+    client.set_model_version_tag(mv.name, mv.version, "min_p", "0.125")
+    try:
+        dec = build_decoder("semanticspec", pair, lms, auto_p, "all")
+        assert dec.settings.min_p == 0.125 and dec.run_identity["min_p"] == 0.125
+        assert dec.settings.min_ratio is None and "min_ratio" not in dec.run_identity
+    finally:
+        if "min_p" in mv.tags:
+            client.set_model_version_tag(mv.name, mv.version, "min_p", mv.tags["min_p"])
+        else:
+            client.delete_model_version_tag(mv.name, mv.version, "min_p")
+    with pytest.raises(ValueError, match="min_p 'auto'"):
+        SemanticSpecDecoder(lms["draft"], lms["target"], dec.q_probe, dec.p_probe, auto_p)
 
 
 def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
@@ -979,10 +1003,12 @@ def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
     assert set(routing) == {"last", "all", "mix", "random", "oracle"}
     for m in routing.values():
         assert m["n_shared"] + m["n_not_shared"] > 0
-        for k in ("true_accept", "false_accept", "true_accept_at_min_ratio", "false_accept_at_min_ratio"):
+        rates = ("true_accept", "false_accept", "true_accept_at_min_ratio", "false_accept_at_min_ratio")
+        for k in (*rates, "true_accept_at_min_p", "false_accept_at_min_p"):
             assert np.isnan(m.get(k, np.nan)) or 0 <= m[k] <= 1
         if "min_ratio" in m:  # chosen on the validation questions' steps where they have both kinds
             assert m["min_ratio"] >= 0 and m["true_accept_at_min_ratio"] <= m["true_accept"]
+        assert ("min_p" in m) == ("min_ratio" in m)  # both chosen on the same steps
     oracle = routing["oracle"]
     # the oracle accepts every shared step with its true ratio and never a step the target does not say
     assert oracle["false_accept"] == 0.0 or np.isnan(oracle["false_accept"])
