@@ -444,16 +444,18 @@ def build_prefixes(
     max_steps: int = MAX_STEPS,
     rng: random.Random | None = None,
     chain: str = "",
+    first: int = 0,
 ) -> list[Prefix]:
-    """Prefixes (question + first k steps, k = 0 .. len(steps)-1) of one problem.
+    """Prefixes (question + first k steps, k = ``first`` .. len(steps)-1) of one problem.
 
     Chains with ``max_steps`` steps or more yield nothing (the caller counts them). With
     ``max_prefixes``, a seeded random subset of that size is kept, in step order. ``chain`` names one of
-    several chains of the same problem (its author), so their prefixes get ids of their own.
+    several chains of the same problem (its author), so their prefixes get ids of their own; such a chain
+    starts at ``first`` = 1, since its k = 0 (the question alone) is the first chain's.
     """
     if len(steps) >= max_steps or not steps:
         return []
-    ks = list(range(len(steps)))
+    ks = list(range(first, len(steps)))
     if max_prefixes is not None and len(ks) > max_prefixes:
         ks = sorted((rng or random.Random(0)).sample(ks, max_prefixes))
     out = []

@@ -172,8 +172,14 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM |
                 too_long += bool(steps)
                 continue
             chain_id = "" if author == authors[0] else author
-            prefixes = build_prefixes(
-                prob, steps, cfg.max_prefixes_per_question, after, rng=rngs[author], chain=chain_id
+            prefixes = build_prefixes(  # another author's k = 0 is the question alone: the first one's
+                prob,
+                steps,
+                cfg.max_prefixes_per_question,
+                after,
+                rng=rngs[author],
+                chain=chain_id,
+                first=int(bool(chain_id)),
             )
             rows.extend(asdict(p) for p in prefixes)
     if not rows:

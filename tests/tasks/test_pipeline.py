@@ -637,8 +637,10 @@ def test_ingest_mixes_contexts_from_several_trace_authors(tmp_path, monkeypatch)
     data_rows = [r for r in rows if "Draft one." not in r["context"] and r["step_index"] > 0]
     draft_rows = [r for r in rows if r["context"].startswith("Draft one.")]
     assert set(data.column("prefix_id").to_pylist()) <= set(ids), "the data chain's prefixes, ids unchanged"
-    assert len(rows) == data.num_rows + 2 * 4, "plus k = 0 and 1 of each question's draft chain"
+    # plus k = 1 of each question's draft chain; its k = 0 (the question alone) is the data chain's
+    assert len(rows) == data.num_rows + 4
     assert data_rows and {r["step_index"] for r in draft_rows} == {1}
+    assert sum(r["context"] == "" for r in rows) == 4, "one prefix of the question alone per question"
     with pytest.raises(ValueError, match="field 'trace_author'"):
         load_params(overrides=["ingest.trace_author=[draft, draft]"])
 
