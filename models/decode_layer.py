@@ -296,7 +296,7 @@ def describe(model: nn.Module) -> str | None:
 
 
 def _kernel_for(
-    layer: nn.Module, x: torch.Tensor, mask, rope, kwargs: dict
+    layer: nn.Module, w: _Weights, x: torch.Tensor, mask, rope, kwargs: dict
 ) -> tuple[Callable, Callable] | None:
     """The kernel's functions when this call is a decoding call they take, else None."""
     if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
@@ -305,17 +305,31 @@ def _kernel_for(
         return None
     if mask is not None and mask.dtype != torch.bool:
         return None
-    if kwargs.get("output_attentions") or getattr(layer.self_attn.config, "output_attentions", False):
+    if kwargs.get("output_attentions") or getattr(w.config, "output_attentions", False):
         return None
-    bits = _bits(layer)
-    mm = int8_kernel.int8_mm() if bits == 8 else int4_kernel.int4_mm()
-    fns = layer_kernel(bits)  # both read the settings now: a benchmark toggles them
+    mm = int8_kernel.int8_mm() if w.bits == 8 else int4_kernel.int4_mm()
+    fns = layer_kernel(w.bits)  # both read the settings now: a benchmark toggles them
     if fns is None or mm is None or attention.attention_kernel() is None:
         return None
-    rows = layer.self_attn.q_proj.dense_rows
-    if rows is not None and x.shape[0] > rows:  # the modules' dense GEMM serves these
+    if w.dense_rows is not None and x.shape[0] > w.dense_rows:  # the modules' dense GEMM serves these
         return None
     return fns
+
+
+_ROPE: list = [None, None]  # the last call's (position_embeddings, rows), reused by the model's next layers
+
+
+def _rope_rows(
+    rope: tuple[torch.Tensor, torch.Tensor], batch: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B|1, 1, D) each (rows without their own positions share one) -> (B, D) contiguous,
+    made once per decoding call of the model: every layer gets the same ``position_embeddings`` objects."""
+    got, rows = _ROPE
+    if got is not None and got[0] is rope[0] and got[1] is rope[1] and rows[0].shape[0] == batch:
+        return rows
+    rows = tuple(t.expand(batch, 1, dim).reshape(batch, dim).contiguous() for t in rope)
+    _ROPE[:] = [rope, rows]
+    return rows
 
 
 def _ptrs(*tensors: torch.Tensor | None) -> ctypes.Array:
@@ -329,6 +343,9 @@ class _Weights:
     tensors themselves, so the addresses stay valid; weights copied in place keep them."""
 
     tensors: tuple[torch.Tensor, ...]  # kept alive for the addresses below
+    bits: int  # the projections' weight bits (8 or 4)
+    dense_rows: int | None  # calls of more rows run the modules' dense GEMM (None: no limit)
+    config: object  # the attention's config (read per call: output_attentions)
     heads: tuple[int, int, int]  # q, k and v heads
     dim: int  # head dim
     hidden: int
@@ -356,6 +373,9 @@ def _weights(layer: nn.Module) -> _Weights:
     tensors += tuple(p.bias for p in projs if p.bias is not None)
     got = _Weights(
         tensors,
+        attn.q_proj.bits,
+        attn.q_proj.dense_rows,
+        attn.config,
         tuple(p.out_features // attn.head_dim for p in projs),
         attn.head_dim,
         n_in.weight.shape[0],
@@ -387,7 +407,8 @@ def _forward(
     """The layer's forward: decoding calls through the kernel, any other call through the module's own."""
     if cache is None and "past_key_values" in kwargs:
         cache = kwargs.pop("past_key_values")
-    fns = _kernel_for(layer, hidden_states, attention_mask, position_embeddings, kwargs)
+    w = _weights(layer)
+    fns = _kernel_for(layer, w, hidden_states, attention_mask, position_embeddings, kwargs)
     if fns is None:
         return layer._semspec_forward(
             hidden_states,
@@ -399,12 +420,10 @@ def _forward(
             **kwargs,
         )
     fin, fout = fns
-    w = _weights(layer)
     attn = layer.self_attn
     batch, dim = hidden_states.shape[0], w.dim
     x = hidden_states.contiguous()  # (B, 1, H)
-    # (B|1, 1, D) each (rows without their own positions share one) -> (B, D)
-    cos, sin = (t.expand(batch, 1, dim).reshape(batch, dim).contiguous() for t in position_embeddings)
+    cos, sin = _rope_rows(position_embeddings, batch, dim)
     outs = [torch.empty(batch, 1, h, dim, dtype=torch.bfloat16) for h in w.heads]  # (B, 1, h, D)
     threads = torch.get_num_threads()
     fin(
