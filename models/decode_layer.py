@@ -295,9 +295,7 @@ def describe(model: nn.Module) -> str | None:
     return f"decode layers: semspec's kernel ({fast} of {len(layers)})" if fast else None
 
 
-def _kernel_for(
-    layer: nn.Module, w: _Weights, x: torch.Tensor, mask, rope, kwargs: dict
-) -> tuple[Callable, Callable] | None:
+def _kernel_for(w: _Weights, x: torch.Tensor, mask, rope, kwargs: dict) -> tuple[Callable, Callable] | None:
     """The kernel's functions when this call is a decoding call they take, else None."""
     if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
@@ -408,7 +406,7 @@ def _forward(
     if cache is None and "past_key_values" in kwargs:
         cache = kwargs.pop("past_key_values")
     w = _weights(layer)
-    fns = _kernel_for(layer, w, hidden_states, attention_mask, position_embeddings, kwargs)
+    fns = _kernel_for(w, hidden_states, attention_mask, position_embeddings, kwargs)
     if fns is None:
         return layer._semspec_forward(
             hidden_states,
