@@ -158,6 +158,13 @@ def bench(
         int | None,
         typer.Option(help="Steps a row may write ahead in a batch (default: params' evaluate.lookahead)."),
     ] = None,
+    gamma: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="SemanticSpec's steps per verification (default: params' evaluate.gamma); repeat to run "
+            "each variant with each value in the same run (the first unlabelled, the others <label>/gamma<g>)."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
@@ -175,9 +182,21 @@ def bench(
     variants = tuple(probe or (["all"] if batch else PROBE_VARIANTS))
     options = {"max_new_tokens": max_new_tokens, "salvage": salvage}
     options |= {} if lookahead is None else {"lookahead": lookahead}
+    options |= {"gamma": gamma[0]} if gamma else {}
+    also = tuple(dict.fromkeys(gamma[1:])) if gamma else ()
+    if also and batch:
+        raise typer.BadParameter("one gamma with --batch", param_hint="--gamma")
     summary, table = or_exit(
         lambda: bench_task.bench(
-            params, pair or params.pair, n, tuple(batch or ()), variants, assisted, both_salvage, **options
+            params,
+            pair or params.pair,
+            n,
+            tuple(batch or ()),
+            variants,
+            assisted,
+            both_salvage,
+            also,
+            **options,
         )
     )
     typer.echo(json.dumps(summary, indent=2) if json_out else table)

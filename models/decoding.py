@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from semspec.models.grading import extract_answer
-from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to
+from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to, fits_window
 from semspec.models.names import FLOOR_AUTO, ROLES
 
 
@@ -244,6 +244,8 @@ class _Row:
     target: LMState | None = None  # the target's state (None when the decoder has no target)
     queued: _Rewrite | None = None  # a rejected step waiting for the target to rewrite it
     waited: int = 0  # rounds it has waited
+    # the target's scores of the round's next proposals, from one prefill (``_score_ahead``, gamma > 1)
+    scored: list[StepScore] = field(default_factory=list)
 
     def state(self, role: str) -> LMState:
         """The state of the model playing ``role``."""
@@ -627,6 +629,8 @@ class SemanticSpecDecoder(_DraftTarget):
             if not current:
                 break
             steps = [proposals[r.index][i][0] for r in current]
+            if s.gamma > 1 and i % s.gamma == 0:
+                self._score_ahead(current, [proposals[r.index][i : i + s.gamma] for r in current], start_used)
             verdicts = self._judge(current, steps)
             verifying = []
             for row, step, v in zip(current, steps, verdicts, strict=True):
@@ -641,6 +645,11 @@ class SemanticSpecDecoder(_DraftTarget):
                 replay = [prev.text for prev, _ in proposals[row.index][:i]]
                 rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, v.why, kept))
                 row.seed += 1
+        rejected = {it.row.index for it in rewrites}
+        for row in rows:  # a row that stopped inside a jointly scored run: its cache holds steps not taken
+            row.scored = []
+            if row.index not in rejected and row.target is not None:
+                crop_to(row.target.cache, len(row.target.ids))
         if dropped:
             with _Clock(_timings([row for _, _, row in dropped]), "draft"):
                 states = self._draft_back([(restore, replay) for restore, replay, _ in dropped])
@@ -648,28 +657,62 @@ class SemanticSpecDecoder(_DraftTarget):
                 row.draft = state
         return rewrites
 
+    def _score_ahead(
+        self, rows: list[_Row], groups: list[list[tuple[StepSample, int]]], start_used: dict[int, int]
+    ) -> None:
+        """With ``gamma`` > 1: the target scores each row's proposals of this virtual round (``groups[b]``,
+        the first already found valid) in one padded prefill, one pass over its weights for up to
+        ``gamma`` steps; ``_judge`` then takes the scores in order. A run ends before an empty or invalid
+        step and after an EOS step, and is a single step where a sliding window could not crop back."""
+        s, runs, scored = self.settings, [], []
+        per_step = _step_budget(s, self.target, 0) * 2 + 8
+        for row, group in zip(rows, groups, strict=True):
+            run: list[str] = []
+            for j, (step, budget) in enumerate(group):
+                used = row.used([x for x, _ in group[:j]], base=start_used[row.index])
+                if not step.text or (j and not self._valid(row, step, budget, used)):
+                    break
+                run.append(step.text)
+                if step.finish_reason == "eos":
+                    break
+            if not fits_window(row.target.cache, len(row.target.ids) + len(run) * per_step):
+                run = run[:1]
+            if run:
+                runs.append(run)
+                scored.append(row)
+        if not scored:
+            return
+        with _Clock(_timings(scored), "verify"):
+            out = self.target.score_runs([r.target for r in scored], runs)
+        for row, scores in zip(scored, out, strict=True):
+            row.scored = scores
+            row.res.target_prefill_tokens += sum(len(sc.token_ids) for sc in scores)
+
     def _judge(self, rows: list[_Row], steps: list[StepSample]) -> list[_Verdict]:
-        """The target prefills each row's step on its cache (in place, all rows in one padded prefill)
-        and the probes give q and p (batched); a step is accepted when ``u < min(1, p/q)`` (and
-        ``p/q >= min_ratio`` when set), or with ``min_p`` when ``p >= min_p``. Returns each row's
-        verdict."""
+        """The target prefills each row's step on its cache (in place, all rows in one padded prefill;
+        a row's score from ``_score_ahead`` is taken as it is) and the probes give q and p (batched); a
+        step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
+        when ``p >= min_p``. Returns each row's verdict."""
         s, tms = self.settings, _timings(rows)
         restores = [r.target.checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
         with _Clock(tms, "probe"):
             qs = _probe_all(self.q_probe, [step.pooled for step in steps])
-        idx = [b for b, step in enumerate(steps) if step.text]
-        scores: list[StepScore | None] = [None] * len(rows)
-        ps = [0.0] * len(rows)
+        scores: list[StepScore | None] = [r.scored.pop(0) if r.scored else None for r in rows]
+        idx = [b for b, step in enumerate(steps) if step.text and scores[b] is None]
         if idx:
             scored = [rows[b] for b in idx]
             with _Clock(_timings(scored), "verify"):
                 out = self.target.score_steps([r.target for r in scored], [steps[b].text for b in idx])
-            with _Clock(_timings(scored), "probe"):
-                for b, p in zip(idx, _probe_all(self.p_probe, [sc.pooled for sc in out]), strict=True):
-                    ps[b] = p
             for b, sc in zip(idx, out, strict=True):
                 scores[b] = sc
                 rows[b].res.target_prefill_tokens += len(sc.token_ids)
+        have = [b for b, sc in enumerate(scores) if sc is not None]
+        ps = [0.0] * len(rows)
+        if have:
+            with _Clock(_timings([rows[b] for b in have]), "probe"):
+                pooled = [scores[b].pooled for b in have]
+                for b, p in zip(have, _probe_all(self.p_probe, pooled), strict=True):
+                    ps[b] = p
         verdicts = []
         for b, row in enumerate(rows):
             p, q, u = ps[b], qs[b], row.rng.random()

@@ -28,11 +28,12 @@ def bench_methods(
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
     both_salvage: bool = False,
+    also_gammas: tuple[int, ...] = (),
 ) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """(label, decoder) for target, token-level speculative sampling (one vocabulary only), transformers'
     assisted generation and SemanticSpec with every registered probe (with ``both_salvage`` each also
-    the other way, ``<label>/no-salvage`` or ``<label>/salvage``, in the same run); and the labels
-    skipped, with why."""
+    the other way, ``<label>/no-salvage`` or ``<label>/salvage``, and with each of ``also_gammas``,
+    ``<label>/gamma<g>``, in the same run); and the labels skipped, with why."""
     out = [("target", build_decoder("target", pair, lms, settings))]
     skipped: dict[str, str] = {}
     try:
@@ -48,6 +49,9 @@ def bench_methods(
                 other = replace(settings, salvage=not settings.salvage)
                 dec = build_decoder(PROBE_METHOD, pair, lms, other, v)
                 out.append((f"{method_label(PROBE_METHOD, v)}/{'' if other.salvage else 'no-'}salvage", dec))
+            for g in also_gammas:
+                dec = build_decoder(PROBE_METHOD, pair, lms, replace(settings, gamma=g), v)
+                out.append((f"{method_label(PROBE_METHOD, v)}/gamma{g}", dec))
         except ValueError as e:  # not registered for this pair: say so, bench the rest
             skipped[method_label(PROBE_METHOD, v)] = str(e)
     for label, why in skipped.items():
@@ -100,11 +104,12 @@ def run_bench(
     with_assisted: bool = True,
     variants: tuple[str, ...] = PROBE_VARIANTS,
     both_salvage: bool = False,
+    also_gammas: tuple[int, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, both_salvage)
+    methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, both_salvage, also_gammas)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:
@@ -197,13 +202,14 @@ def _table(
             return f"{'n/a':>{width}s}"
         return f"{100 * v:{width - 1}.1f}%" if pct else f"{v:{width}.2f}"
 
-    lines = [f"{'method':20s} " + " ".join(f"{c:>{width}s}" for c in cols)]
+    rows = {key: row(key, s, num) for key, s in summary.items() if not key.startswith("_")}
+    label = max([20] + [len(cells[0]) for cells in rows.values()])  # long labels (``/gamma2``) stay aligned
+    lines = [f"{'method':{label}s} " + " ".join(f"{c:>{width}s}" for c in cols)]
+    lines += [" ".join([f"{cells[0]:{label}s}", *cells[1:]]) for cells in rows.values()]
     notes = []
     for key, s in summary.items():
         if key.startswith("_"):
             notes += [f"{key.strip('_')}: {k}: {v}" for k, v in s.items()]
-        else:
-            lines.append(" ".join(row(key, s, num)))
     return "\n".join(lines + notes)
 
 
@@ -264,12 +270,13 @@ def bench(
     variants: tuple[str, ...] = PROBE_VARIANTS,
     with_assisted: bool = True,
     both_salvage: bool = False,
+    also_gammas: tuple[int, ...] = (),
     **options: Any,
 ) -> tuple[dict[str, Any], str]:
     """`semspec bench`: load ``pair_name``'s models and time every method on ``n`` questions with the
-    evaluation's settings (``options`` replace single fields: the budget, salvage, lookahead), one at a
-    time, or per batch size in ``batch`` (SemanticSpec with ``variants``). Returns the summary and its
-    table."""
+    evaluation's settings (``options`` replace single fields: the budget, salvage, lookahead, gamma), one
+    at a time (SemanticSpec also with each of ``also_gammas``), or per batch size in ``batch``
+    (SemanticSpec with ``variants``). Returns the summary and its table."""
     from semspec.models.lm import load_lm
     from semspec.models.names import ROLES
     from semspec.models.project import load_pair
@@ -278,9 +285,11 @@ def bench(
         raise ValueError(f"unknown probe variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}")
     pair = load_pair(pair_name, None, params.split_strategy)
     settings = decode_settings(params.evaluate, **options)
+    for g in also_gammas:
+        replace(settings, gamma=g)  # a bad gamma is refused before the models load
     lms = {r: load_lm(pair.role(r)) for r in ROLES}
     if batch:
         summary = run_batch_bench(pair, lms, n, settings, batch, variants)
         return summary, format_batch_bench(summary)
-    summary = run_bench(pair, lms, n, settings, 0, with_assisted, variants, both_salvage)
+    summary = run_bench(pair, lms, n, settings, 0, with_assisted, variants, both_salvage, also_gammas)
     return summary, format_bench(summary)

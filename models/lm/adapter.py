@@ -296,19 +296,71 @@ class LM:
 
     def score_steps(self, states: list[LMState], texts: list[str], logprobs: bool = False) -> list[StepScore]:
         """``score_step`` in place for many rows (each its own context) in one padded prefill."""
+        return [run[0] for run in self.score_runs(states, [[text] for text in texts], logprobs)]
+
+    @torch.inference_mode()
+    def score_runs(
+        self, states: list[LMState], runs: list[list[str]], logprobs: bool = False
+    ) -> list[list[StepScore]]:
+        """Score each row's consecutive steps ``runs[b]`` after ``states[b]``, all of them in one padded
+        prefill (mutates each ``states[b].cache``): one pass over the weights for a row's whole run, where
+        scoring step by step makes one per step.
+
+        Step ``j``'s score is what ``score_steps`` gives for it after the steps before it (the same
+        positions, ids and pooling; the prefill's shape may round bfloat16 otherwise). Its ``state`` is the
+        context up to and including the step; every state of a row shares the row's cache, which holds
+        the whole run: a caller that keeps an earlier step's state crops the cache to that state's ids
+        (``crop_to``; ``LMState.checkpoint`` and ``resume_after`` crop to what they restore).
+        """
+        if len(states) != len(runs) or any(not run for run in runs):
+            raise ValueError("score_runs needs one non-empty run of steps per state")
+        seg_ids: list[list[list[int]]] = []  # row -> step -> its ids
+        new_ids: list[list[int]] = []  # row -> the ids of its whole run
+        for st, run in zip(states, runs, strict=True):
+            text, ids, row = st.text, list(st.ids), []
+            for step in run:
+                new = self.continuation_ids(text, ids, step)
+                if not new:
+                    raise ValueError("cannot score an empty step")
+                row.append(new)
+                text, ids = text + step, ids + new
+            seg_ids.append(row)
+            new_ids.append(ids[len(st.ids) :])
+        outs = self.forward_rows([st.cache for st in states], new_ids, logprobs)
+        # the outputs at each step's last token but the run's last predict the next step: one head call
+        # for every such position of every row (the forward computed the run's last only)
+        ends = [
+            (b, sum(len(x) for x in row[: j + 1]) - 1)
+            for b, row in enumerate(seg_ids)
+            for j in range(len(row) - 1)
+        ]
+        mid_logits = iter(
+            self.head(torch.stack([outs[b][1][e, -1] for b, e in ends])) if ends and not logprobs else []
+        )  # (len(ends), V)
         scores = []
-        for base, (state, ids, logits, hidden) in zip(
-            states, self.extend_many(states, texts, all_logits=logprobs), strict=True
-        ):
-            # 1. positions predicting the step: last context position + step tokens but the last
-            pos_hidden = torch.cat([base.hidden[None], hidden[:-1]], dim=0)  # (k, L+1, D)
-            lp = torch.empty(0)
-            if logprobs:
-                # 2. per-token log-probs of the step's tokens
-                pos_logits = torch.cat([base.logits[None], logits[:-1]], dim=0)  # (k, V)
-                lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-            at = hidden if self.spec.pooling == "tokens" else pos_hidden  # (k, L+1, D)
-            scores.append(StepScore(Pooled(at.mean(dim=0)), ids, lp, state, pos_hidden))
+        for st, run, row, (logits, hidden, cache) in zip(states, runs, seg_ids, outs, strict=True):
+            text, ids, prev_logits, prev_hidden, at, out = st.text, list(st.ids), st.logits, st.hidden, 0, []
+            for j, (step, new) in enumerate(zip(run, row, strict=True)):
+                seg = hidden[at : at + len(new)]  # (k, L+1, D): outputs at the step's own tokens
+                # 1. positions predicting the step: the position before it + its tokens but the last
+                pos_hidden = torch.cat([prev_hidden[None], seg[:-1]], dim=0)  # (k, L+1, D)
+                lp = torch.empty(0)
+                if logprobs:  # 2. per-token log-probs of the step's tokens
+                    seg_logits = logits[at : at + len(new)]  # (k, V)
+                    pos_logits = torch.cat([prev_logits[None], seg_logits[:-1]], dim=0)  # (k, V)
+                    lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(new)[:, None])[:, 0]
+                    end_logits = seg_logits[-1]
+                else:
+                    end_logits = logits[-1] if j == len(run) - 1 else next(mid_logits)
+                text, ids, at = text + step, ids + new, at + len(new)
+                prev_logits, prev_hidden = end_logits, seg[-1]
+                pooled = Pooled((seg if self.spec.pooling == "tokens" else pos_hidden).mean(dim=0))
+                out.append(
+                    StepScore(
+                        pooled, new, lp, LMState(text, list(ids), cache, end_logits, seg[-1]), pos_hidden
+                    )
+                )
+            scores.append(out)
         return scores
 
     @torch.inference_mode()

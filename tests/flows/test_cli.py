@@ -246,3 +246,8 @@ def test_pairs_prune_lists_then_deletes_what_removed_pairs_left(tmp_path, monkey
 def test_bench_refuses_a_negative_lookahead():
     res = runner.invoke(app, ["bench", "--lookahead", "-1"])
     assert res.exit_code == 2 and "--lookahead" in res.output and "must be >= 0" in res.output
+
+
+def test_bench_takes_one_gamma_with_batches():
+    res = runner.invoke(app, ["bench", "--batch", "4", "--gamma", "1", "--gamma", "2"])
+    assert res.exit_code == 2 and "--gamma" in res.output and "one gamma with --batch" in res.output

@@ -331,11 +331,13 @@ def test_each_problem_s_share_of_the_machine_adds_up_to_the_wall_time(pair):
     assert alone.timings.share == pytest.approx(alone.timings.total, rel=0.05)
 
 
+@pytest.mark.parametrize("gamma", [1, 2])
 @pytest.mark.parametrize("pooling", ["predict", "tokens"])
-def test_probes_read_what_a_prefill_of_the_proposal_pools(pooling):
+def test_probes_read_what_a_prefill_of_the_proposal_pools(pooling, gamma):
     """Whatever the pooling, the draft's probe reads what a prefill of its proposal would pool (though
     batched decoding wrote it, often ahead, and a ``tokens`` step's last output came from the next
-    step's loop or the final feed), and the target's probe what its prefill of the proposal pools."""
+    step's loop or the final feed), and the target's probe what its prefill of the proposal pools (also
+    when it read a round's gamma proposals in one prefill)."""
     kw = {"boost": 2.0, "init": 0.2, "max_step_tokens": 8, "pooling": pooling}
     draft = tiny_lm(seed=0, eos_bias=0.5, **kw)  # one character tokenizer: every text re-tokenises alike
     target = tiny_lm(seed=1, eos_bias=1.0, hidden=64, **kw)
@@ -349,7 +351,7 @@ def test_probes_read_what_a_prefill_of_the_proposal_pools(pooling):
     def p_probe(pooled):
         return float(torch.sigmoid(pooled.h_last.sum()))
 
-    s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, lookahead=3)
+    s = DecodeSettings(max_new_tokens=40, step_tokens=8, seed=3, lookahead=3, gamma=gamma)
     results = SemanticSpecDecoder(draft, target, q_probe, p_probe, s).decode_batch(QUESTIONS, batch_size=4)
     checked = 0
     for question, res in zip(QUESTIONS, results, strict=True):

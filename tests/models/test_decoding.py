@@ -50,13 +50,26 @@ def test_always_accept_reproduces_the_draft_step_for_step(pair):
     assert res.prefill_per_output_token == pytest.approx(1.0)
 
 
-def test_mixed_decisions_keep_both_caches_consistent(pair):
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_mixed_decisions_keep_both_caches_consistent(pair, gamma, monkeypatch):
+    """Accepts and rejects in every position of a round (with gamma > 1 the target scores a round's
+    steps in one prefill and crops back to the last accepted one)."""
     draft, target = pair
-    probs = iter([0.9, 0.05] * 50)
-    settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3)
+    if gamma > 1:  # a draft whose steps end on a whole token: it writes a round's steps in one loop
+        draft = tiny_lm(merged=False, seed=2, boost=2.5, max_step_tokens=8)
+    probs = iter([0.9, 0.05, 0.9, 0.9, 0.05] * 50)
+    settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3, gamma=gamma)
+    runs, real = [], type(target).score_runs
+    monkeypatch.setattr(
+        type(target),
+        "score_runs",
+        lambda self, st, r, lp=False: (runs.extend(map(len, r)), real(self, st, r, lp))[1],
+    )
     res = SemanticSpecDecoder(
         draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs), settings=settings
     ).decode(Q)
+    monkeypatch.undo()
+    assert (max(runs) == gamma) if gamma > 1 else set(runs) == {1}
     authors = {s.author for s in res.steps}
     assert authors == {"draft", "target"}, "this test needs both accepts and rejects"
     for s in res.steps:
@@ -104,12 +117,28 @@ def test_min_p_accepts_by_the_targets_probe_alone(pair):
 
 
 @pytest.mark.parametrize("gamma", [2, 3])
-def test_gamma_drafts_several_steps_before_verifying(pair, gamma):
+def test_gamma_drafts_several_steps_before_verifying(pair, gamma, monkeypatch):
     draft, target = pair
     settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, gamma=gamma)
     ref = SingleModelDecoder(draft, settings, "draft").decode(Q)
+    prefills, real = [], type(target).forward_rows
+
+    def counting(self, caches, new_ids, all_logits=False):
+        if self is target:
+            prefills.append(len(new_ids))
+        return real(self, caches, new_ids, all_logits)
+
+    monkeypatch.setattr(type(target), "forward_rows", counting)
     res = SemanticSpecDecoder(draft, target, lambda h: 0.1, lambda h: 1.0, settings).decode(Q)
+    # a draft whose steps end on a whole token writes a round's gamma steps in one loop, and the target
+    # reads them in one prefill: the prompt, then one per round
+    plain = tiny_lm(merged=False, seed=2, boost=2.5, max_step_tokens=8)
+    prefills.clear()
+    whole = SemanticSpecDecoder(plain, target, lambda h: 0.1, lambda h: 1.0, settings).decode(Q)
+    monkeypatch.undo()
     assert [s.text for s in res.steps] == [s.text for s in ref.steps if s.text][: len(res.steps)]
+    assert len(whole.steps) > gamma and len(prefills) == 1 + -(-len(whole.steps) // gamma)
+    assert whole.prefill_per_output_token == pytest.approx(1.0)
     rej = SemanticSpecDecoder(draft, target, lambda h: 1.0, lambda h: 0.0, settings).decode(Q)
     assert rej.text == SingleModelDecoder(target, settings, "target").decode(Q).text
 

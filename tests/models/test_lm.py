@@ -154,6 +154,43 @@ def test_extend_keeps_cache_in_step_with_ids():
     assert torch.allclose(full.hidden, st2.hidden, atol=1e-4)
 
 
+@pytest.mark.parametrize("pooling", ["predict", "tokens"])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_score_runs_equals_scoring_step_after_step(pooling, logprobs):
+    """One prefill of a row's consecutive steps gives each step what scoring it alone after the steps
+    before gives (ids, pooled features, log-probs, the state after it), rows of different lengths
+    padded together; every state of a row shares its cache, which a crop takes back to any of them."""
+    lm = tiny_lm(merged=True, pooling=pooling)
+    contexts = ["Question: a\nAnswer:", "Question: a longer one here\nAnswer:"]
+    runs = [[" first.\n\n", " then 2 + 3 = 5.\n\n", " so 5"], [" one step\n\n"]]
+    together = lm.score_runs([lm.prefill(c) for c in contexts], runs, logprobs)
+    for ctx, run, scores in zip(contexts, runs, together, strict=True):
+        state = lm.prefill(ctx)
+        assert len(scores) == len(run)
+        for step, sc in zip(run, scores, strict=True):
+            ref = lm.score_step(state, step, logprobs=logprobs)
+            assert sc.token_ids == ref.token_ids and sc.state.ids == ref.state.ids
+            assert sc.state.text == ref.state.text
+            torch.testing.assert_close(sc.pooled.h_layers, ref.pooled.h_layers, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(sc.pred_hidden, ref.pred_hidden, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(sc.state.logits, ref.state.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(sc.state.hidden, ref.state.hidden, atol=1e-4, rtol=1e-4)
+            if logprobs:
+                torch.testing.assert_close(sc.logprobs, ref.logprobs, atol=1e-4, rtol=1e-4)
+            state = ref.state
+        assert scores[-1].state.cache.get_seq_length() == len(scores[-1].state.ids)
+        assert all(sc.state.cache is scores[0].state.cache for sc in scores)
+    first = together[0][0].state
+    restore = first.checkpoint(0)  # back to the first step of a three-step run
+    assert restore().cache.get_seq_length() == len(first.ids)
+    nxt = lm.extend(first, " again.\n\n")[0]
+    torch.testing.assert_close(
+        nxt.hidden, lm.prefill(first.text + " again.\n\n").hidden, atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ValueError, match="non-empty run"):
+        lm.score_runs([lm.prefill(contexts[0])], [[]])
+
+
 @pytest.mark.parametrize(
     "kwargs, msg",
     [

@@ -137,6 +137,39 @@ def test_bench_runs_token_speculation_or_says_why_not():
     assert "specsampling" not in out and "different tokenizers" in out["_skipped"]["specsampling"]
 
 
+def test_bench_runs_semanticspec_with_each_gamma_in_the_same_run(monkeypatch):
+    """``also_gammas``: each SemanticSpec variant once more per gamma, labelled, with that gamma only,
+    and the table stays aligned with the longer labels."""
+    import semspec.tasks.bench as bench_task
+    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    real = bench_task.build_decoder
+
+    def build(method, pair, lms, settings, variant=None):
+        if method != "semanticspec":
+            return real(method, pair, lms, settings)
+        return SemanticSpecDecoder(lms["draft"], lms["target"], lambda h: 0.1, lambda h: 1.0, settings)
+
+    monkeypatch.setattr(bench_task, "build_decoder", build)
+    settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
+    methods, _ = bench_task.bench_methods(_pair(), lms, settings, False, ("all",), also_gammas=(2, 3))
+    gammas = {label: dec.settings.gamma for label, dec in methods}
+    assert gammas == {
+        "target": 1,
+        "specsampling": 1,
+        "semanticspec-all": 1,
+        "semanticspec-all/gamma2": 2,
+        "semanticspec-all/gamma3": 3,
+    }
+    out = bench_task.run_bench(
+        _pair(), lms, 1, settings, with_assisted=False, variants=("all",), also_gammas=(2,)
+    )
+    lines = bench_task.format_bench(out).splitlines()
+    rows = [line for line in lines if line.startswith(("method", "target", "semanticspec"))]
+    assert len(rows) == 4 and len({len(line) for line in rows}) == 1, "columns out of line"
+
+
 def test_evaluate_in_batches_writes_the_same_answers(tmp_path):
     """Batched evaluation (continuous batching over 5 problems, 2 at a time) gives every problem the answer
     it gets alone; the batch size is part of the run key (latencies differ) and of each row."""
