@@ -225,6 +225,12 @@ def _step_budget(s: DecodeSettings, lm: LM, used: int) -> int:
     return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
 
 
+def _scored_room(s: DecodeSettings, target: LM) -> int:
+    """Positions the target's scoring of one step may add to its cache (a draft step re-tokenized by
+    the target may take up to twice its tokens), for a checkpoint or window check made before it."""
+    return _step_budget(s, target, 0) * 2 + 8
+
+
 def _probe_all(fn: ProbeFn, pooled: list[Pooled]) -> list[float]:
     """The probe on every row: one call when it scores batches (a ``many`` attribute), else row by row."""
     many = getattr(fn, "many", None)
@@ -665,7 +671,7 @@ class SemanticSpecDecoder(_DraftTarget):
         ``gamma`` steps; ``_judge`` then takes the scores in order. A run ends before an empty or invalid
         step and after an EOS step, and is a single step where a sliding window could not crop back."""
         s, runs, scored = self.settings, [], []
-        per_step = _step_budget(s, self.target, 0) * 2 + 8
+        per_step = _scored_room(s, self.target)
         for row, group in zip(rows, groups, strict=True):
             run: list[str] = []
             for j, (step, budget) in enumerate(group):
@@ -694,7 +700,7 @@ class SemanticSpecDecoder(_DraftTarget):
         step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
         when ``p >= min_p``. Returns each row's verdict."""
         s, tms = self.settings, _timings(rows)
-        restores = [r.target.checkpoint(_step_budget(s, self.target, 0) * 2 + 8) for r in rows]
+        restores = [r.target.checkpoint(_scored_room(s, self.target)) for r in rows]
         with _Clock(tms, "probe"):
             qs = _probe_all(self.q_probe, [step.pooled for step in steps])
         scores: list[StepScore | None] = [r.scored.pop(0) if r.scored else None for r in rows]

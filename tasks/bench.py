@@ -194,8 +194,9 @@ def model_notes(lms: dict[str, LM]) -> dict[str, dict[str, str]]:
 def _table(
     summary: dict[str, Any], cols: list[str], width: int, row: Callable[[str, dict, Callable], list[str]]
 ) -> str:
-    """An aligned table: a header, a line per entry (``row(key, entry, num)`` gives its cells, ``num``
-    formats a number or a share), then the ``_``-prefixed entries as notes."""
+    """An aligned table: a header, a line per entry (``row(key, entry, num)`` gives its cells, the label
+    first, padded here to the longest; ``num`` formats a number or a share), then the ``_``-prefixed
+    entries as notes."""
 
     def num(v: float | None, pct: bool = False) -> str:
         if v is None:
@@ -223,7 +224,7 @@ def format_batch_bench(summary: dict[str, Any]) -> str:
         cols,
         15,
         lambda _, s, num: [
-            f"{s['method']:20s}",
+            s["method"],
             f"{s['batch']:15d}",
             *(num(s[k]) for k in keys),
             num(s["step_acceptance"]),
@@ -254,7 +255,7 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
         cols,
         12,
         lambda m, s, num: [
-            f"{m:20s}",
+            m,
             *(num(s[k]) for k in speed),
             *(num(s[k], True) for k in shares),
             *(num(s[k]) for k in rest),

@@ -314,52 +314,45 @@ class LM:
         """
         if len(states) != len(runs) or any(not run for run in runs):
             raise ValueError("score_runs needs one non-empty run of steps per state")
-        seg_ids: list[list[list[int]]] = []  # row -> step -> its ids
         new_ids: list[list[int]] = []  # row -> the ids of its whole run
+        ends: list[list[int]] = []  # row -> where each of its steps ends in ``new_ids[b]``
         for st, run in zip(states, runs, strict=True):
-            text, ids, row = st.text, list(st.ids), []
+            text, ids, row_ends = st.text, list(st.ids), []
             for step in run:
                 new = self.continuation_ids(text, ids, step)
                 if not new:
                     raise ValueError("cannot score an empty step")
-                row.append(new)
                 text, ids = text + step, ids + new
-            seg_ids.append(row)
+                row_ends.append(len(ids) - len(st.ids))
             new_ids.append(ids[len(st.ids) :])
+            ends.append(row_ends)
         outs = self.forward_rows([st.cache for st in states], new_ids, logprobs)
         # the outputs at each step's last token but the run's last predict the next step: one head call
         # for every such position of every row (the forward computed the run's last only)
-        ends = [
-            (b, sum(len(x) for x in row[: j + 1]) - 1)
-            for b, row in enumerate(seg_ids)
-            for j in range(len(row) - 1)
-        ]
-        mid_logits = iter(
-            self.head(torch.stack([outs[b][1][e, -1] for b, e in ends])) if ends and not logprobs else []
-        )  # (len(ends), V)
+        inner = [outs[b][1][e - 1, -1] for b, row_ends in enumerate(ends) for e in row_ends[:-1]]
+        mid_logits = iter(self.head(torch.stack(inner)) if inner and not logprobs else [])  # (len(inner), V)
         scores = []
-        for st, run, row, (logits, hidden, cache) in zip(states, runs, seg_ids, outs, strict=True):
-            text, ids, prev_logits, prev_hidden, at, out = st.text, list(st.ids), st.logits, st.hidden, 0, []
-            for j, (step, new) in enumerate(zip(run, row, strict=True)):
-                seg = hidden[at : at + len(new)]  # (k, L+1, D): outputs at the step's own tokens
+        for st, run, row_ends, ids, (logits, hidden, cache) in zip(
+            states, runs, ends, new_ids, outs, strict=True
+        ):
+            text, prev_logits, prev_hidden, at, out = st.text, st.logits, st.hidden, 0, []
+            for j, (step, end) in enumerate(zip(run, row_ends, strict=True)):
+                new, seg = ids[at:end], hidden[at:end]  # seg (k, L+1, D): outputs at the step's own tokens
                 # 1. positions predicting the step: the position before it + its tokens but the last
                 pos_hidden = torch.cat([prev_hidden[None], seg[:-1]], dim=0)  # (k, L+1, D)
                 lp = torch.empty(0)
                 if logprobs:  # 2. per-token log-probs of the step's tokens
-                    seg_logits = logits[at : at + len(new)]  # (k, V)
+                    seg_logits = logits[at:end]  # (k, V)
                     pos_logits = torch.cat([prev_logits[None], seg_logits[:-1]], dim=0)  # (k, V)
                     lp = torch.log_softmax(pos_logits, dim=-1).gather(1, torch.tensor(new)[:, None])[:, 0]
                     end_logits = seg_logits[-1]
                 else:
                     end_logits = logits[-1] if j == len(run) - 1 else next(mid_logits)
-                text, ids, at = text + step, ids + new, at + len(new)
-                prev_logits, prev_hidden = end_logits, seg[-1]
+                text, prev_logits, prev_hidden = text + step, end_logits, seg[-1]
                 pooled = Pooled((seg if self.spec.pooling == "tokens" else pos_hidden).mean(dim=0))
-                out.append(
-                    StepScore(
-                        pooled, new, lp, LMState(text, list(ids), cache, end_logits, seg[-1]), pos_hidden
-                    )
-                )
+                state = LMState(text, st.ids + ids[:end], cache, end_logits, seg[-1])
+                out.append(StepScore(pooled, new, lp, state, pos_hidden))
+                at = end
             scores.append(out)
         return scores
 
