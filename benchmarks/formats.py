@@ -339,9 +339,10 @@ def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
 
         return call
 
-    kernel, attend, head = (
+    kernel, attend, attend_direct, head = (
         decode_layer.layer_kernel,
         attention.decode_attention,
+        attention.attend,
         lm.model.get_output_embeddings(),
     )
     bits = getattr(lm.model.get_output_embeddings(), "bits", 8)
@@ -350,11 +351,13 @@ def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
         timed_fns = (timed(fns[0], "layer_in"), timed(fns[1], "layer_out"))
         decode_layer.layer_kernel = lambda *_: timed_fns
     attention.decode_attention = timed(attend, "attention")
+    attention.attend = timed(attend_direct, "attention")  # the whole-model decoding call's
     head.forward = timed(head.forward, "head")
     try:
         yield
     finally:
         decode_layer.layer_kernel, attention.decode_attention = kernel, attend
+        attention.attend = attend_direct
         del head.forward  # the class's own again
 
 

@@ -228,6 +228,25 @@ def decode_attention(
     return out.view(batch, 1, heads, dim), None  # (B, 1, H, D)
 
 
+def attend(
+    fn: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float,
+    threads: int,
+) -> None:
+    """The kernel ``fn`` (``attention_kernel()[dtype]``) called directly, no checks, no mask: query
+    (B, H, 1, D) contiguous, key and value (B, KV, T, D) with unit last strides -> ``out`` (B, H * D)."""
+    batch, heads, _, dim = query.shape
+    fn(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(),
+        _STRIDES(*key.stride()[:3]), _STRIDES(*value.stride()[:3]), None, out.data_ptr(),
+        batch, heads, key.shape[1], key.shape[2], dim, scaling, threads,
+    )  # fmt: skip
+
+
 AttentionInterface.register(ATTENTION, decode_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 

@@ -163,6 +163,12 @@ class LM:
         """
         if cache is None:
             cache = DynamicCache(config=self.model.config)
+        if (
+            attention_mask is None
+            and (whole := decode_layer.decode_model(self.model, ids, cache)) is not None
+        ):
+            logits, hidden = whole  # a decoding call of unpadded rows, the model's layers all in the kernel
+            return logits.float(), hidden.float(), cache
         extra = {}
         if attention_mask is not None:
             extra = {

@@ -279,3 +279,72 @@ def test_the_split_benchmark_times_each_part_and_puts_everything_back():
     before = dict(spent)
     lm.forward(nxt, state.clone().cache)
     assert spent == before, "nothing is timed after the block"
+
+
+INT4_ONLY_WITH_BF16 = pytest.mark.skipif(not INT4_RUNS, reason="int4 kernel: AVX512_BF16")
+FORMATS = [pytest.param(INT8, id="int8"), pytest.param(INT4, id="int4", marks=INT4_ONLY_WITH_BF16)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_whole_decoding_call_computes_what_the_model_computes(fmt, arch, rows, monkeypatch):
+    """``LM.forward``'s decoding calls through ``decode_model`` give the logits, hidden states and cache
+    that the model's own forward gives with the same layer kernel: bit for bit, the same ops in order."""
+    lm = _int8_lm(arch, fmt)
+    ids = lm.tokenizer(["3 + 4 = ", "5 + 6 = "][:rows], return_tensors="pt").input_ids  # one length
+    real, taken = decode_layer.decode_model, []
+
+    def counting(*a):
+        got = real(*a)
+        taken.append(got is not None)
+        return got
+
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode_layer, "decode_model", counting if on else lambda *a: None)
+        with torch.inference_mode():
+            out = lm.model(ids, use_cache=True)
+            cache, nxt, got = out.cache, out.logits[:, -1:].argmax(-1), []
+            for _ in range(8):
+                logits, hidden, cache = lm.forward(nxt, cache)
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                got.append((logits, hidden))
+        runs[on] = got, cache
+    assert taken == [True] * 8
+    (plain, plain_cache), (whole, whole_cache) = runs[False], runs[True]
+    assert plain[0][1].shape == (rows, 1, lm.num_layers + 1, lm.hidden_size)
+    for (lp, hp), (lw, hw) in zip(plain, whole, strict=True):
+        assert torch.equal(lw, lp) and torch.equal(hw, hp)
+    assert whole_cache.get_seq_length() == ids.shape[1] + 8
+    for a, b in zip(plain_cache.layers, whole_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_calls_a_whole_decoding_call_does_not_take_return_none(monkeypatch):
+    from transformers.cache_utils import DynamicCache
+
+    from tests.helpers.tiny import tiny_lm
+
+    lm = _int8_lm("qwen2")
+    ids = lm.tokenizer(["3 + 4 = "], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        cache = lm.model(ids, use_cache=True).cache
+        nxt = ids[:, -1:]
+        assert decode_layer.decode_model(lm.model, ids, cache) is None, "a prefill"
+        assert decode_layer.decode_model(lm.model, nxt, DynamicCache(config=lm.model.config)) is None
+        rows = INT8.dense_rows + 1  # more rows than the layers' int8 calls take
+        wide = lm.model(ids.repeat(rows, 1), use_cache=True).cache
+        assert decode_layer.decode_model(lm.model, nxt.repeat(rows, 1), wide) is None
+        float_lm = tiny_lm()
+        float_cache = float_lm.model(ids, use_cache=True).cache
+        assert decode_layer.decode_model(float_lm.model, nxt, float_cache) is None, "no layer in the kernel"
+        cache.layers[1].crop(-1)  # layers of unequal lengths
+        assert decode_layer.decode_model(lm.model, nxt, cache) is None
+        cache = lm.model(ids, use_cache=True).cache
+        monkeypatch.setattr(decode_layer, "layer_kernel", lambda *_: None)  # the kernel off
+        assert decode_layer.decode_model(lm.model, nxt, cache) is None
+    assert cache.get_seq_length() == ids.shape[1], "nothing was written to the cache"
+    monkeypatch.undo()
+    with torch.no_grad(), torch.enable_grad():  # autograd on
+        assert decode_layer.decode_model(lm.model, nxt, cache) is None
