@@ -2,7 +2,7 @@
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
                                     [--set section.key=value ... --name NAME] [--examples own both]
-                                    [--floor] [--min-p]
+                                    [--floor] [--min-p] [--handover N]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
@@ -12,7 +12,9 @@ register), then evaluates each probe set (``semspec evaluate``, resumable per pr
 and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
 (the floor on p/q its train run chose on validation) into ``<examples>+floor/``, and ``--min-p`` with
 ``evaluate.min_p=auto`` (the target's rule, accept iff p >= the floor on p chosen likewise) into
-``<examples>+p/``. A step already done
+``<examples>+p/``; ``--handover N`` evaluates its ``all`` and ``random`` variants with
+``evaluate.max_rejections=N`` (after N rejected steps in an answer the target writes the rest) into
+``<examples>+hN/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
 probes, not the samples). Prints the learning curve, the evaluations' table and, per step position in
 the answers, SemanticSpec's acceptance, p and q (``by_depth``). Each model's format is
@@ -70,6 +72,13 @@ def main() -> None:
         "accept iff p >= the floor its train run chose on validation), as the probe set '<examples>+p'",
     )
     ap.add_argument(
+        "--handover",
+        type=int,
+        metavar="N",
+        help="also evaluate the last probe set's all and random variants with evaluate.max_rejections=N "
+        "(after N rejected steps in an answer the target writes the rest), as the probe set '<examples>+hN'",
+    )
+    ap.add_argument(
         "--examples",
         nargs="+",
         choices=EXAMPLES,
@@ -77,6 +86,8 @@ def main() -> None:
         help="the train.examples settings to train and evaluate (default: own and both, to compare them)",
     )
     a = ap.parse_args()
+    if a.handover is not None and a.handover < 0:
+        ap.error("--handover takes a count of rejected steps >= 0")
     if a.sets and not a.name:
         ap.error("--set changes what is computed: name the run with --name so its outputs stay apart")
     common = ["--pair", a.pair, "--profile", a.profile, *(x for o in a.sets for x in ("--set", o))]
@@ -86,6 +97,7 @@ def main() -> None:
         probe_pipeline(common, data, reports, a.examples)
     if not a.skip_eval:
         rules = [rule for rule, on in ((FLOOR, a.floor), (MIN_P, a.min_p)) if on]
+        rules += [] if a.handover is None else [f"{HANDOVER}{a.handover}"]
         evaluate(common, data, reports, Path("eval") / run, a.examples, rules)
 
 
@@ -125,6 +137,15 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
 
 FLOOR, MIN_P = "+floor", "+p"  # suffixes of a probe set evaluated under a floor chosen on validation
 RULES = {FLOOR: "evaluate.min_ratio=auto", MIN_P: "evaluate.min_p=auto"}  # suffix -> its setting
+HANDOVER = "+h"  # +hN: under evaluate.max_rejections=N, with Random beside all (does the probe matter?)
+
+
+def rule_settings(rule: str) -> list[str]:
+    """The ``--set`` options of a probe set's rule suffix (``+floor``, ``+p``, ``+hN``)."""
+    if rule.startswith(HANDOVER) and rule[len(HANDOVER) :].isdigit():
+        n = rule[len(HANDOVER) :]
+        return ["--set", f"evaluate.max_rejections={n}", "--set", "evaluate.probe_variants=[all,random]"]
+    return ["--set", RULES[rule], "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"]
 
 
 def evaluate(
@@ -138,9 +159,7 @@ def evaluate(
         if n:
             share_baselines(evals / sets[0], evals / name)
         examples, _, rule = name.partition("+")
-        extra = (
-            ["--set", RULES[f"+{rule}"], "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"] if rule else []
-        )
+        extra = rule_settings(f"+{rule}") if rule else []
         semspec(
             "evaluate", *common, *extra,
             "--probes", str(data / f"probes-{examples}-1"),

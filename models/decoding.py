@@ -63,6 +63,9 @@ class DecodeSettings:
     # the target's rule in place of the paper's: accept a step iff p >= min_p, no draw, q not read (for
     # greedy decoding: keep the steps whose meaning the target likely shares); "auto" as for min_ratio
     min_p: float | str | None = None
+    # semanticspec: after this many rejected steps in an answer, the target writes the rest of it alone
+    # (the draft proposes no more). None: off, the paper's rule for every step
+    max_rejections: int | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
@@ -90,6 +93,10 @@ class DecodeSettings:
                 raise ValueError(f"{name} must be None, a number >= 0 or 'auto', got {floor!r}")
         if self.min_ratio is not None and self.min_p is not None:
             raise ValueError("min_ratio and min_p are two acceptance rules: set one of them, not both")
+        if self.max_rejections is not None and (
+            not isinstance(self.max_rejections, int) or self.max_rejections < 0
+        ):
+            raise ValueError(f"max_rejections must be None or a count >= 0, got {self.max_rejections!r}")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -154,6 +161,11 @@ class DecodeResult:
     def target_share(self) -> float:
         """Share of output tokens written by the target (the paper's Ratio)."""
         return self.target_tokens / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def rejections(self) -> int:
+        """Draft steps rejected so far (each rewritten by the target)."""
+        return sum(s.author == "target" and s.proposal is not None for s in self.steps)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -418,9 +430,9 @@ class _Rewrite:
 
     row: _Row
     start: StepStart
-    d_restore: Callable[[], LMState]
+    d_restore: Callable[[], LMState] | None  # None: the draft reads no more of this answer (handed over)
     replay: list[str]  # the round's accepted steps, for the draft to re-read
-    proposal: str
+    proposal: str | None  # None: the target writes the step with nothing proposed (handed over)
     why: dict[str, float | int | None]
     salvaged: int = 0  # kept tokens of the proposal (salvage)
 
@@ -513,24 +525,29 @@ class _DraftTarget(BatchDecoder):
     def _rewrite(self, items: list[_Rewrite]) -> None:
         """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
         rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
-        round's accepted steps and reads the target's step (batched too)."""
+        round's accepted steps and reads the target's step (batched too). A row handed over to the target
+        (no proposal, no checkpoint) only gets the target's step: its draft reads no more."""
         if not items:
             return
         s, rows = self.settings, [it.row for it in items]
         with _Clock(_timings(rows), "target"):
             written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
-        with _Clock(_timings(rows), "draft"):
-            dstates = self._draft_back([(it.d_restore, it.replay) for it in items])
+        synced = [b for b, it in enumerate(items) if it.d_restore is not None]  # the others: handed over
+        draft_tokens = [0] * len(items)
+        with _Clock(_timings([rows[b] for b in synced]), "draft"):
+            dstates = self._draft_back([(items[b].d_restore, items[b].replay) for b in synced])
             before = [len(d.ids) for d in dstates]
-            self._draft_reads(dstates, [step.text for step, _ in written])
-        for it, (step, tstate), dstate, n in zip(items, written, dstates, before, strict=True):
+            self._draft_reads(dstates, [written[b][0].text for b in synced])
+        for b, dstate, n in zip(synced, dstates, before, strict=True):
+            rows[b].draft, draft_tokens[b] = dstate, len(dstate.ids) - n
+        for it, (step, tstate), k in zip(items, written, draft_tokens, strict=True):
             row = it.row
-            row.draft, row.target = dstate, tstate
+            row.target = tstate
             salvaged = min(it.salvaged, step.num_tokens)
             record = StepRecord(
                 "target",
                 step.text,
-                len(dstate.ids) - n,
+                k,
                 step.num_tokens,
                 proposal=it.proposal,
                 salvaged=salvaged,
@@ -595,13 +612,29 @@ class SemanticSpecDecoder(_DraftTarget):
 
     @property
     def run_identity(self) -> dict:
-        """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage and the
-        floor on p/q or on p where there is one (``auto`` resolves per probe pair)."""
-        floors = {k: getattr(self.settings, k) for k in ("min_ratio", "min_p")}
+        """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage, the
+        floor on p/q or on p where there is one (``auto`` resolves per probe pair) and the rejection
+        budget where there is one."""
+        floors = {k: getattr(self.settings, k) for k in ("min_ratio", "min_p", "max_rejections")}
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
+        """One round (``_verify_round``) for the rows whose answers still have rejections to spend; the
+        others (``max_rejections`` spent) are handed to the target, which writes their next step alone."""
+        s = self.settings
+        if s.max_rejections is None:
+            return self._verify_round(rows)
+        handed = [r for r in rows if r.res.rejections >= s.max_rejections]
+        going = [r for r in rows if r.res.rejections < s.max_rejections]
+        writes = []
+        for row in handed:
+            start = StepStart(row.target, _step_budget(s, self.target, row.res.output_tokens), row.seed)
+            writes.append(_Rewrite(row, start, None, [], None, {}))
+            row.seed += 1
+        return writes + (self._verify_round(going) if going else [])
+
+    def _verify_round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
         ``_propose``), the target verifies them in order with the probes (each proposal position one
         batched prefill over the rows still going); returns the first rejected step of each row, for the

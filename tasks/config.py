@@ -293,6 +293,9 @@ class EvaluateConfig:
     # semanticspec accepts a step iff the target's p >= this, in place of the paper's draw on min(1, p/q)
     # (the target's rule, for greedy decoding): null (the paper's rule), a number, or auto (as min_ratio)
     min_p: float | str | None = None
+    # semanticspec: after this many rejected steps in an answer the target writes the rest (its own greedy
+    # steps, the draft's agreeing prefixes salvaged): null (off, the paper's rule throughout) or a count
+    max_rejections: int | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
@@ -338,6 +341,12 @@ class EvaluateConfig:
         if self.min_ratio is not None and self.min_p is not None:
             raise ValueError(
                 "evaluate: fields 'min_ratio' and 'min_p' are two acceptance rules: set one, not both"
+            )
+        if self.max_rejections is not None and (
+            not isinstance(self.max_rejections, int) or self.max_rejections < 0
+        ):
+            raise ValueError(
+                f"evaluate: field 'max_rejections' must be null or a count >= 0, got {self.max_rejections!r}"
             )
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")

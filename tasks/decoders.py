@@ -39,6 +39,7 @@ def decode_settings(cfg: EvaluateConfig, **overrides: Any) -> DecodeSettings:
         "gamma": cfg.gamma,
         "min_ratio": cfg.min_ratio,
         "min_p": cfg.min_p,
+        "max_rejections": cfg.max_rejections,
         "lookahead": cfg.lookahead,
         "rewrite_wait": cfg.rewrite_wait,
     }

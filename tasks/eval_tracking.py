@@ -156,6 +156,7 @@ def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> Non
             "gamma": cfg.gamma,
             "min_ratio": cfg.min_ratio,
             "min_p": cfg.min_p,
+            "max_rejections": cfg.max_rejections,
             "seeds": cfg.seeds,
             "benchmarks": cfg.benchmarks,
             **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},

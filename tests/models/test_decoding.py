@@ -116,6 +116,37 @@ def test_min_p_accepts_by_the_targets_probe_alone(pair):
         DecodeSettings(min_p=-1)
 
 
+@pytest.mark.parametrize("budget", [0, 1, 2])
+def test_after_max_rejections_the_target_writes_the_rest(pair, budget):
+    """The rejection budget: once an answer has had ``max_rejections`` draft steps rejected, the draft
+    proposes no more and the target writes the rest alone, its own greedy steps; 0 is the target."""
+    draft, target = pair
+    settings = DecodeSettings(
+        max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3, max_rejections=budget
+    )
+    probs = iter([0.0, 0.9] * 100)  # p/q 0 or 1.8: the probes alone reject, accept, reject, accept, ...
+    res = SemanticSpecDecoder(
+        draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs), settings=settings
+    ).decode(Q)
+    judged = [i for i, s in enumerate(res.steps) if s.p is not None]
+    assert len(res.steps) > len(judged) + 2, "this test needs steps after the budget is spent"
+    assert [res.steps[i].author for i in judged] == ["target", "draft"][:budget] + ["target"] * (budget > 1)
+    assert res.rejections == budget
+    after = res.steps[judged[-1] + 1 :] if judged else res.steps
+    assert all(s.author == "target" and s.proposal is None and s.draft_tokens == 0 for s in after)
+    prompt = target.format_prompt(Q)
+    for i in range(len(res.steps) - len(after), len(res.steps)):  # each is the target's own next step
+        state = target.prefill(prompt + "".join(x.text for x in res.steps[:i]))
+        budget_i = min(8, 60 - sum(x.target_tokens for x in res.steps[:i]))
+        ((fresh, _),) = target.decode_steps([StepStart(state, budget_i)], 0.0, 1.0)
+        assert fresh.text == res.steps[i].text, f"step {i}"
+    if budget == 0:
+        assert res.text == SingleModelDecoder(target, settings, "target").decode(Q).text
+        assert res.acceptance_rate is None, "nothing was proposed"
+    with pytest.raises(ValueError, match="max_rejections must be"):
+        DecodeSettings(max_rejections=-1)
+
+
 @pytest.mark.parametrize("gamma", [2, 3])
 def test_gamma_drafts_several_steps_before_verifying(pair, gamma, monkeypatch):
     draft, target = pair

@@ -74,6 +74,8 @@ def test_profiles_and_overrides():
         ("evaluate.min_ratio=strict", "'min_ratio' must be null, a number >= 0 or 'auto'"),
         ("evaluate.min_ratio=-0.5", "'min_ratio'"),
         ("evaluate.min_p=high", "'min_p' must be null, a number >= 0 or 'auto'"),
+        ("evaluate.max_rejections=-1", "'max_rejections' must be null or a count >= 0"),
+        ("evaluate.max_rejections=many", "'max_rejections' must be null or a count >= 0"),
         ("ingest.trace_author=[data, judge]", "'trace_author'"),
     ],
 )

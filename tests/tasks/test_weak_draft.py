@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.weak_draft import by_depth, print_curve, share_baselines
 from semspec.tasks.config import load_params
 from semspec.tasks.eval_runs import resume_rows, run_key
@@ -39,15 +41,33 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
     assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
 
 
-def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path):
-    """``evaluate.min_ratio`` is read by SemanticSpec alone: the baselines' rows keep their run key under a
-    floor (so the ``+floor`` evaluation resumes the shared ones), SemanticSpec's get another."""
+@pytest.mark.parametrize("rule", ["evaluate.min_ratio=auto", "evaluate.max_rejections=1"])
+def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path, rule):
+    """``evaluate.min_ratio`` and ``max_rejections`` are read by SemanticSpec alone: the baselines' rows
+    keep their run key under them (so the ``+floor`` and ``+hN`` evaluations resume the shared ones),
+    SemanticSpec's get another."""
     pair = write_tiny_pair(tmp_path)
     plain = load_params(profile="tiny").evaluate
-    floor = load_params(profile="tiny", overrides=["evaluate.min_ratio=auto"]).evaluate
+    floor = load_params(profile="tiny", overrides=[rule]).evaluate
     for label in ("target", "draft"):
         assert run_key(plain, pair, label, None) == run_key(floor, pair, label, None)
     assert run_key(plain, pair, "semanticspec-all", None) != run_key(floor, pair, "semanticspec-all", None)
+
+
+def test_each_rule_suffix_evaluates_under_its_settings():
+    from benchmarks.weak_draft import rule_settings
+
+    assert rule_settings("+floor") == [
+        "--set",
+        "evaluate.min_ratio=auto",
+        "--set",
+        "evaluate.probe_variants=[all]",
+    ]
+    assert rule_settings("+h2") == [
+        "--set", "evaluate.max_rejections=2", "--set", "evaluate.probe_variants=[all,random]",
+    ]  # fmt: skip
+    with pytest.raises(KeyError):
+        rule_settings("+hx")
 
 
 def test_the_learning_curve_prints_the_oracle_once(capsys):
