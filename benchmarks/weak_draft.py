@@ -169,6 +169,7 @@ def evaluate(
     table = {name: evidence(evals / name) for name in sets}
     print_evidence(table, json.loads((evals / sets[0] / "metrics.json").read_text())["_models"])
     print_depths({name: by_depth(evals / name) for name in sets})
+    print_kept({name: by_kept(evals / name) for name in sets})
     plot_evidence(table, reports / "pass_vs_latency.png")
 
 
@@ -325,6 +326,48 @@ def print_depths(tables: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
                     f"{examples:11s} {label:22s} {b['depth']:>5s} {b['n']:5d} {b['accepted']:8.2f} "
                     f"{b['p']:8.3f} {b['q']:8.3f} {b['ratio_ge_1']:6.2f}"
                 )
+
+
+KEPT = ("no step", "one step or more", "every step")  # what the draft kept of an answer
+
+
+def by_kept(folder: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """Per SemanticSpec label of one evaluation, its answers grouped by what the draft kept of them (no
+    step: the target wrote it from the first judged step; one step or more, with a rejection; every
+    step, no rejection): answers, correct, and the target's correct answers to the same problems (its
+    rows in the same folder). Shows whether accepted draft steps cost the answers."""
+    target = {}
+    for path in folder.glob("*/target.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            target[path.parent.name, r["question_id"], r.get("seed")] = bool(r.get("correct"))
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    for path in sorted(folder.glob("*/semanticspec-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            judged = [s["author"] for s in r.get("steps", []) if s.get("p") is not None]
+            kept, rejected = judged.count("draft"), judged.count("target")
+            group = KEPT[2] if not rejected else KEPT[0] if not kept else KEPT[1]
+            cell = table.setdefault(path.stem, {}).setdefault(group, {"n": 0, "correct": 0, "target": 0})
+            cell["n"] += 1
+            cell["correct"] += bool(r.get("correct"))
+            cell["target"] += target.get((path.parent.name, r["question_id"], r.get("seed")), False)
+    return table
+
+
+def print_kept(tables: dict[str, dict[str, dict[str, dict[str, int]]]]) -> None:
+    """``by_kept`` of each probe set: one line per method and what the draft kept."""
+    print(
+        f"{'probes':11s} {'method':22s} {'the draft kept':18s} {'answers':>7s} {'correct':>7s} {'target correct':>14s}"
+    )
+    for examples, table in tables.items():
+        for label, groups in sorted(table.items()):
+            for group in KEPT:
+                if group in groups:
+                    g = groups[group]
+                    print(
+                        f"{examples:11s} {label:22s} {group:18s} {g['n']:7d} {g['correct']:7d} {g['target']:14d}"
+                    )
 
 
 def plot_evidence(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.weak_draft import by_depth, print_curve, share_baselines
+from benchmarks.weak_draft import by_depth, by_kept, print_curve, share_baselines
 from semspec.tasks.config import load_params
 from semspec.tasks.eval_runs import resume_rows, run_key
 from tests.helpers.pipeline import write_tiny_pair
@@ -114,3 +114,21 @@ def test_acceptance_by_depth_bins_each_answers_steps_by_position(tmp_path):
     assert bins["2"]["ratio_ge_1"] == 0 and bins["2"]["p"] == 0.3
     assert [bins[k]["n"] for k in ("3-5", "6-9", "10-")] == [3, 4, 2]
     assert bins["10-"]["q"] == 0.05
+
+
+def test_answers_are_grouped_by_what_the_draft_kept(tmp_path):
+    rej, acc, handed = {"author": "target", "p": 0.0}, {"author": "draft", "p": 0.9}, {"author": "target"}
+    rows = [
+        {"question_id": "q0", "seed": 0, "correct": True, "steps": [rej, handed, handed]},  # no step kept
+        {"question_id": "q1", "seed": 0, "correct": False, "steps": [acc, rej, handed]},  # one kept
+        {"question_id": "q2", "seed": 0, "correct": True, "steps": [acc, acc]},  # every step, no rejection
+        {"question_id": "q3", "seed": 0, "correct": False, "steps": [rej]},
+    ]
+    (tmp_path / "arith").mkdir()
+    (tmp_path / "arith" / "semanticspec-all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target = [{"question_id": f"q{i}", "seed": 0, "correct": i in (1, 3)} for i in range(4)]
+    (tmp_path / "arith" / "target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in target))
+    table = by_kept(tmp_path)["semanticspec-all"]
+    assert table["no step"] == {"n": 2, "correct": 1, "target": 1}
+    assert table["one step or more"] == {"n": 1, "correct": 0, "target": 1}
+    assert table["every step"] == {"n": 1, "correct": 1, "target": 0}
