@@ -168,7 +168,7 @@ class LM:
             and (whole := decode_layer.decode_model(self.model, ids, cache)) is not None
         ):
             logits, hidden = whole  # a decoding call of unpadded rows, the model's layers all in the kernel
-            return logits.float(), hidden.float(), cache
+            return logits.float(), hidden.to(torch.float32, memory_format=torch.contiguous_format), cache
         extra = {}
         if attention_mask is not None:
             extra = {

@@ -314,6 +314,7 @@ def test_a_whole_decoding_call_computes_what_the_model_computes(fmt, arch, rows,
     assert taken == [True] * 8
     (plain, plain_cache), (whole, whole_cache) = runs[False], runs[True]
     assert plain[0][1].shape == (rows, 1, lm.num_layers + 1, lm.hidden_size)
+    assert all(h.is_contiguous() and h.dtype == torch.float32 for _, h in whole)
     for (lp, hp), (lw, hw) in zip(plain, whole, strict=True):
         assert torch.equal(lw, lp) and torch.equal(hw, hp)
     assert whole_cache.get_seq_length() == ids.shape[1] + 8
