@@ -339,10 +339,9 @@ def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
 
         return call
 
-    kernel, attend, attend_direct, head = (
+    kernel, attend, head = (
         decode_layer.layer_kernel,
-        attention.decode_attention,
-        attention.attend,
+        attention.attend,  # every decoding call's attention kernel (the modules' and the whole call's)
         lm.model.get_output_embeddings(),
     )
     bits = getattr(lm.model.get_output_embeddings(), "bits", 8)
@@ -350,14 +349,12 @@ def _timing_parts(lm: LM, spent: dict[str, float]) -> Iterator[None]:
     if fns is not None:
         timed_fns = (timed(fns[0], "layer_in"), timed(fns[1], "layer_out"))
         decode_layer.layer_kernel = lambda *_: timed_fns
-    attention.decode_attention = timed(attend, "attention")
-    attention.attend = timed(attend_direct, "attention")  # the whole-model decoding call's
+    attention.attend = timed(attend, "attention")
     head.forward = timed(head.forward, "head")
     try:
         yield
     finally:
-        decode_layer.layer_kernel, attention.decode_attention = kernel, attend
-        attention.attend = attend_direct
+        decode_layer.layer_kernel, attention.attend = kernel, attend
         del head.forward  # the class's own again
 
 

@@ -218,13 +218,8 @@ def decode_attention(
     if attention_mask is not None:  # (B|1, 1, 1, T') -> (B, T) bytes
         mask = attention_mask[:, 0, -1, :kv_len].expand(batch, kv_len).contiguous()
     out = torch.empty(batch, heads, dim, dtype=query.dtype)  # (B, H, D)
-    fn(
-        q.data_ptr(), key.data_ptr(), value.data_ptr(),
-        _STRIDES(*key.stride()[:3]), _STRIDES(*value.stride()[:3]),
-        None if mask is None else mask.data_ptr(), out.data_ptr(),
-        batch, heads, key.shape[1], kv_len, dim,
-        dim**-0.5 if scaling is None else scaling, torch.get_num_threads(),
-    )  # fmt: skip
+    scale = dim**-0.5 if scaling is None else scaling
+    attend(fn, q, key, value, out, scale, torch.get_num_threads(), mask)
     return out.view(batch, 1, heads, dim), None  # (B, 1, H, D)
 
 
@@ -236,13 +231,16 @@ def attend(
     out: torch.Tensor,
     scaling: float,
     threads: int,
+    mask: torch.Tensor | None = None,
 ) -> None:
-    """The kernel ``fn`` (``attention_kernel()[dtype]``) called directly, no checks, no mask: query
-    (B, H, 1, D) contiguous, key and value (B, KV, T, D) with unit last strides -> ``out`` (B, H * D)."""
-    batch, heads, _, dim = query.shape
+    """The kernel ``fn`` (``attention_kernel()[dtype]``) called directly, no checks: one query per row,
+    query (B, H, D) or (B, H, 1, D) contiguous, key and value (B, KV, T, D) with unit last strides, mask
+    (B, T) bool contiguous or None -> ``out`` (B, H * D)."""
+    batch, heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     fn(
         query.data_ptr(), key.data_ptr(), value.data_ptr(),
-        _STRIDES(*key.stride()[:3]), _STRIDES(*value.stride()[:3]), None, out.data_ptr(),
+        _STRIDES(*key.stride()[:3]), _STRIDES(*value.stride()[:3]),
+        None if mask is None else mask.data_ptr(), out.data_ptr(),
         batch, heads, key.shape[1], key.shape[2], dim, scaling, threads,
     )  # fmt: skip
 

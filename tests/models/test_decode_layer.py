@@ -269,12 +269,12 @@ def test_the_split_benchmark_times_each_part_and_puts_everything_back():
     nxt = torch.tensor([[int(state.logits.argmax())]])
     plain, _, _ = lm.forward(nxt, state.clone().cache)
     spent = dict.fromkeys(("layer_in", "layer_out", "attention", "head"), 0.0)
-    kernel, attend = decode_layer.layer_kernel, attention.decode_attention
+    kernel, attend = decode_layer.layer_kernel, attention.attend
     with _timing_parts(lm, spent):
         timed, _, _ = lm.forward(nxt, state.clone().cache)
     assert all(v > 0 for v in spent.values()), spent
     assert torch.equal(timed, plain)
-    assert (decode_layer.layer_kernel, attention.decode_attention) == (kernel, attend)
+    assert (decode_layer.layer_kernel, attention.attend) == (kernel, attend)
     assert "forward" not in vars(lm.model.get_output_embeddings())
     before = dict(spent)
     lm.forward(nxt, state.clone().cache)
