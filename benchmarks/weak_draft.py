@@ -2,7 +2,7 @@
 
     python benchmarks/weak_draft.py [--pair smollm-qwen] [--profile weakdraft] [--skip-eval | --eval-only]
                                     [--set section.key=value ... --name NAME] [--examples own both]
-                                    [--floor] [--min-p] [--handover N]
+                                    [--floor] [--min-p] [--handover N] [--token-p P]
 
 Runs the probe pipeline on ``--pair`` with ``--profile`` into ``data/<pair>-<profile>/`` (ingest, sample,
 cross, cluster: each resumes after a crash), trains the probes with ``train.examples`` own and both on
@@ -14,7 +14,9 @@ and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``ev
 ``evaluate.min_p=auto`` (the target's rule, accept iff p >= the floor on p chosen likewise) into
 ``<examples>+p/``; ``--handover N`` evaluates its ``all`` and ``random`` variants with
 ``evaluate.max_rejections=N`` (after N rejected steps in an answer the target writes the rest) into
-``<examples>+hN/``. A step already done
+``<examples>+hN/``; ``--token-p P`` evaluates them with ``evaluate.min_token_p=P`` (the target's token
+check: a step the probes accept is rejected when the target gives one of its tokens a probability below
+P) into ``<examples>+tP/``, and with ``--handover N`` under both into ``<examples>+tP+hN/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
 probes, not the samples). Prints the learning curve, the evaluations' table and, per step position in
 the answers, SemanticSpec's acceptance, p and q (``by_depth``). Each model's format is
@@ -85,7 +87,16 @@ def main() -> None:
         default=list(EXAMPLES),
         help="the train.examples settings to train and evaluate (default: own and both, to compare them)",
     )
+    ap.add_argument(
+        "--token-p",
+        type=float,
+        metavar="P",
+        help="also evaluate the last probe set's all and random variants with evaluate.min_token_p=P (the "
+        "target's token check), as '<examples>+tP', and with --handover also under both, as '+tP+hN'",
+    )
     a = ap.parse_args()
+    if a.token_p is not None and not 0 < a.token_p < 1:
+        ap.error("--token-p takes a probability in (0, 1)")
     if a.handover is not None and a.handover < 0:
         ap.error("--handover takes a count of rejected steps >= 0")
     if a.sets and not a.name:
@@ -98,6 +109,11 @@ def main() -> None:
     if not a.skip_eval:
         rules = [rule for rule, on in ((FLOOR, a.floor), (MIN_P, a.min_p)) if on]
         rules += [] if a.handover is None else [f"{HANDOVER}{a.handover}"]
+        if a.token_p is not None:  # the token check alone, and with the rejection budget
+            rules += [
+                f"{TOKENS}{a.token_p:g}",
+                *(f"{TOKENS}{a.token_p:g}{r}" for r in rules if HANDOVER in r),
+            ]
         evaluate(common, data, reports, Path("eval") / run, a.examples, rules)
 
 
@@ -138,14 +154,31 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
 FLOOR, MIN_P = "+floor", "+p"  # suffixes of a probe set evaluated under a floor chosen on validation
 RULES = {FLOOR: "evaluate.min_ratio=auto", MIN_P: "evaluate.min_p=auto"}  # suffix -> its setting
 HANDOVER = "+h"  # +hN: under evaluate.max_rejections=N, with Random beside all (does the probe matter?)
+TOKENS = "+t"  # +tP: under evaluate.min_token_p=P (the target's token check), with Random beside all
 
 
 def rule_settings(rule: str) -> list[str]:
-    """The ``--set`` options of a probe set's rule suffix (``+floor``, ``+p``, ``+hN``)."""
-    if rule.startswith(HANDOVER) and rule[len(HANDOVER) :].isdigit():
-        n = rule[len(HANDOVER) :]
-        return ["--set", f"evaluate.max_rejections={n}", "--set", "evaluate.probe_variants=[all,random]"]
-    return ["--set", RULES[rule], "--set", f"evaluate.probe_variants={FLOOR_VARIANTS}"]
+    """The ``--set`` options of a probe set's rule suffix: ``+floor``, ``+p``, ``+hN``, ``+tP`` or several
+    of them (``+t0.01+h1``). ``all`` alone is evaluated under a floor, ``all`` and Random under the others."""
+    sets, variants = [], FLOOR_VARIANTS
+    for part in (f"+{x}" for x in rule.split("+")[1:]):
+        value = part[len(HANDOVER) :]
+        if part.startswith(HANDOVER) and value.isdigit():
+            sets.append(f"evaluate.max_rejections={value}")
+        elif part.startswith(TOKENS) and _is_probability(value):
+            sets.append(f"evaluate.min_token_p={value}")
+        else:
+            sets.append(RULES[part])
+            continue
+        variants = "[all,random]"
+    return [x for setting in (*sets, f"evaluate.probe_variants={variants}") for x in ("--set", setting)]
+
+
+def _is_probability(text: str) -> bool:
+    try:
+        return 0 < float(text) < 1
+    except ValueError:
+        return False
 
 
 def evaluate(

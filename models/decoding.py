@@ -66,6 +66,10 @@ class DecodeSettings:
     # semanticspec: after this many rejected steps in an answer, the target writes the rest of it alone
     # (the draft proposes no more). None: off, the paper's rule for every step
     max_rejections: int | None = None
+    # semanticspec: the target's token check, beside the probes: a step they accept is rejected all the
+    # same when the target gives one of its tokens a probability below this (a wrong number, a word it
+    # would not write); the output head then runs over every accepted step's positions. None: off
+    min_token_p: float | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
@@ -97,6 +101,10 @@ class DecodeSettings:
             not isinstance(self.max_rejections, int) or self.max_rejections < 0
         ):
             raise ValueError(f"max_rejections must be None or a count >= 0, got {self.max_rejections!r}")
+        if self.min_token_p is not None and (
+            isinstance(self.min_token_p, bool | str) or not 0 < self.min_token_p < 1
+        ):
+            raise ValueError(f"min_token_p must be None or a probability in (0, 1), got {self.min_token_p!r}")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -114,6 +122,7 @@ class StepRecord:
     p: float | None = None  # target probe
     q: float | None = None  # draft probe
     u: float | None = None  # the acceptance draw
+    tok: float | None = None  # the least probability the target gave a token of the step (min_token_p)
     score: int | None = None  # specreason's 0-9 score
     proposal: str | None = None  # a rejected draft step (what the target rewrote)
     salvaged: int = 0  # target tokens of the rejected proposal that the rewrite kept (salvage)
@@ -613,9 +622,11 @@ class SemanticSpecDecoder(_DraftTarget):
     @property
     def run_identity(self) -> dict:
         """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage, the
-        floor on p/q or on p where there is one (``auto`` resolves per probe pair) and the rejection
-        budget where there is one."""
-        floors = {k: getattr(self.settings, k) for k in ("min_ratio", "min_p", "max_rejections")}
+        floor on p/q or on p where there is one (``auto`` resolves per probe pair), the rejection
+        budget and the token check where there are."""
+        floors = {
+            k: getattr(self.settings, k) for k in ("min_ratio", "min_p", "max_rejections", "min_token_p")
+        }
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
@@ -731,7 +742,9 @@ class SemanticSpecDecoder(_DraftTarget):
         """The target prefills each row's step on its cache (in place, all rows in one padded prefill;
         a row's score from ``_score_ahead`` is taken as it is) and the probes give q and p (batched); a
         step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
-        when ``p >= min_p``. Returns each row's verdict."""
+        when ``p >= min_p``; with ``min_token_p``, a step so accepted is then rejected when the target
+        gives one of its tokens a lower probability (one head pass over the accepted steps' positions).
+        Returns each row's verdict."""
         s, tms = self.settings, _timings(rows)
         restores = [r.target.checkpoint(_scored_room(s, self.target)) for r in rows]
         with _Clock(tms, "probe"):
@@ -752,7 +765,7 @@ class SemanticSpecDecoder(_DraftTarget):
                 pooled = [scores[b].pooled for b in have]
                 for b, p in zip(have, _probe_all(self.p_probe, pooled), strict=True):
                     ps[b] = p
-        verdicts = []
+        accepts, whys = [], []
         for b, row in enumerate(rows):
             p, q, u = ps[b], qs[b], row.rng.random()
             ratio = p / q if q > 0 else float("inf")
@@ -762,8 +775,31 @@ class SemanticSpecDecoder(_DraftTarget):
                 accept = scores[b] is not None and u < min(1.0, ratio)
             if accept and s.min_ratio is not None and ratio < s.min_ratio:
                 accept = False
-            verdicts.append(_Verdict(scores[b], accept, {"p": p, "q": q, "u": u}, restores[b]))
-        return verdicts
+            accepts.append(accept)
+            whys.append({"p": p, "q": q, "u": u})
+        if s.min_token_p is not None:
+            self._check_tokens(rows, scores, accepts, whys)
+        return [
+            _Verdict(sc, accept, why, restore)
+            for sc, accept, why, restore in zip(scores, accepts, whys, restores, strict=True)
+        ]
+
+    def _check_tokens(
+        self, rows: list[_Row], scores: list[StepScore | None], accepts: list[bool], whys: list[dict]
+    ) -> None:
+        """The token check (``min_token_p``) of the steps the probes accepted, in place: each gets ``tok``,
+        the least probability the target gives one of its tokens, and is rejected below the floor."""
+        checked = [b for b, accept in enumerate(accepts) if accept]
+        if not checked:
+            return
+        with _Clock(_timings([rows[b] for b in checked]), "verify"):
+            self.target.read_tokens([scores[b] for b in checked])
+        for b in checked:
+            token_p = scores[b].token_p
+            if token_p is None:  # a step with no positions to read (cannot happen for a scored step)
+                continue
+            whys[b]["tok"] = float(token_p.min())
+            accepts[b] = whys[b]["tok"] >= self.settings.min_token_p
 
     def _salvage(
         self, row: _Row, score: StepScore | None, budget: int, t_restore: Callable[[], LMState]

@@ -296,6 +296,9 @@ class EvaluateConfig:
     # semanticspec: after this many rejected steps in an answer the target writes the rest (its own greedy
     # steps, the draft's agreeing prefixes salvaged): null (off, the paper's rule throughout) or a count
     max_rejections: int | None = None
+    # semanticspec: the target's token check beside the probes: a step they accept is rejected all the same
+    # when the target gives one of its tokens a probability below this: null (off) or a probability in (0, 1)
+    min_token_p: float | None = None
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
@@ -347,6 +350,14 @@ class EvaluateConfig:
         ):
             raise ValueError(
                 f"evaluate: field 'max_rejections' must be null or a count >= 0, got {self.max_rejections!r}"
+            )
+        if self.min_token_p is not None and (
+            isinstance(self.min_token_p, bool)
+            or not isinstance(self.min_token_p, int | float)
+            or not 0 < self.min_token_p < 1
+        ):
+            raise ValueError(
+                f"evaluate: field 'min_token_p' must be null or a probability in (0, 1), got {self.min_token_p!r}"
             )
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")

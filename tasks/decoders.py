@@ -40,6 +40,7 @@ def decode_settings(cfg: EvaluateConfig, **overrides: Any) -> DecodeSettings:
         "min_ratio": cfg.min_ratio,
         "min_p": cfg.min_p,
         "max_rejections": cfg.max_rejections,
+        "min_token_p": cfg.min_token_p,
         "lookahead": cfg.lookahead,
         "rewrite_wait": cfg.rewrite_wait,
     }

@@ -26,14 +26,18 @@ def run_key(
     ``run_identity`` (probe versions, salvage). Rows with another key are stale
     and decoded again. The number of actors is not part of it (a row does not depend on which replica
     decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
-    probes' identity, not in the key of the other methods' rows; neither are the floors on p/q and on p
-    and the rejection budget, which only SemanticSpec reads (so its rows with and without them share the
+    probes' identity, not in the key of the other methods' rows; neither are the floors on p/q and on p,
+    the rejection budget and the token check, which only SemanticSpec reads (so its rows with and without them share the
     same baseline rows)."""
     skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain"}
     if parse_label(label)[0] != PROBE_METHOD:
-        skip |= {"min_ratio", "min_p", "max_rejections"}
+        skip |= {"min_ratio", "min_p", "max_rejections", "min_token_p"}
     settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    for name in ("min_p", "max_rejections"):  # off, as before the setting: earlier rows keep their keys
+    for name in (
+        "min_p",
+        "max_rejections",
+        "min_token_p",
+    ):  # off, as before the setting: earlier rows keep their keys
         if settings.get(name) is None:
             settings.pop(name, None)
     spec = {k: v for k, v in asdict(pair).items() if k != "description"}

@@ -157,6 +157,7 @@ def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> Non
             "min_ratio": cfg.min_ratio,
             "min_p": cfg.min_p,
             "max_rejections": cfg.max_rejections,
+            "min_token_p": cfg.min_token_p,
             "seeds": cfg.seeds,
             "benchmarks": cfg.benchmarks,
             **{f"{r}_dtype": d["dtype"] for r, d in metrics.get("_models", {}).items()},

@@ -363,14 +363,31 @@ class LM:
         return scores
 
     @torch.inference_mode()
+    def read_tokens(self, scores: list[StepScore]) -> None:
+        """Fill each scored step's ``token_p`` (the probability the model gives each of its tokens) and
+        ``greedy`` (the model's argmax at each position): the output head runs once over the positions
+        that predicted the tokens of every step (rows together), where the scoring prefill ran it only at
+        each step's end. A score already read is left alone."""
+        todo = [sc for sc in scores if sc.token_p is None and sc.pred_hidden is not None and sc.token_ids]
+        if not todo:
+            return
+        logits = self.head(torch.cat([sc.pred_hidden[:, -1] for sc in todo])).float()  # (sum k, V)
+        logp = torch.log_softmax(logits, dim=-1)
+        at = 0
+        for sc in todo:
+            k = len(sc.token_ids)
+            part = logp[at : at + k]  # (k, V)
+            sc.token_p = part.gather(1, torch.tensor(sc.token_ids)[:, None])[:, 0].exp()  # (k,)
+            sc.greedy = logits[at : at + k].argmax(-1)  # (k,)
+            at += k
+
     def greedy_agreement(self, score: StepScore) -> int:
-        """How many leading tokens of a scored step are the model's own greedy choices: the output head
-        runs over the positions that predicted the step's tokens (only when asked: it costs a head pass
-        per token)."""
-        if score.pred_hidden is None or not score.token_ids:
+        """How many leading tokens of a scored step are the model's own greedy choices (``read_tokens``:
+        a head pass over the step's positions, only when asked)."""
+        self.read_tokens([score])
+        if score.greedy is None:
             return 0
-        argmax = self.head(score.pred_hidden[:, -1]).argmax(-1)  # (k,): the final layer, after its norm
-        same = argmax == torch.tensor(score.token_ids)
+        same = score.greedy == torch.tensor(score.token_ids)
         return int(same.long().cumprod(0).sum())
 
     @torch.inference_mode()

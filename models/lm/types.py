@@ -135,6 +135,9 @@ class StepScore:
     logprobs: torch.Tensor  # (k,) log p(s_i | context, s_<i) under the model (empty when not asked for)
     state: LMState  # the context extended by the step
     pred_hidden: torch.Tensor | None = None  # (k, L+1, D) outputs at the positions predicting each token
+    # filled by ``LM.read_tokens`` (one head pass over the positions that predicted the step's tokens):
+    token_p: torch.Tensor | None = None  # (k,) p(s_i | context, s_<i) under the model
+    greedy: torch.Tensor | None = None  # (k,) the model's argmax at each of those positions
 
 
 @dataclass

@@ -147,6 +147,46 @@ def test_after_max_rejections_the_target_writes_the_rest(pair, budget):
         DecodeSettings(max_rejections=-1)
 
 
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_the_token_check_rejects_steps_the_target_finds_unlikely(pair, gamma):
+    """``min_token_p``: a step the probes accept is rejected all the same when the target gives one of its
+    tokens a probability below the floor; ``tok``, recorded on every step the probes accepted, is that
+    least probability as the target's own scoring of the step computes it."""
+    draft, target = pair
+    if gamma > 1:  # a draft whose steps end on a whole token: it writes a round's steps in one loop
+        draft = tiny_lm(merged=False, seed=2, boost=2.5, max_step_tokens=8)
+
+    def decode(floor: float):
+        settings = DecodeSettings(
+            max_new_tokens=48, step_tokens=8, temperature=0.0, gamma=gamma, min_token_p=floor
+        )
+        probs = iter([0.9, 0.9, 0.0] * 100)  # p/q 1.8 or 0: the probes accept two steps, reject one, ...
+        return SemanticSpecDecoder(
+            draft, target, q_probe=lambda h: 0.5, p_probe=lambda h: next(probs), settings=settings
+        ).decode(Q)
+
+    toks = [s.tok for s in decode(1e-12).steps if s.tok is not None]
+    floor = sorted(toks)[len(toks) // 2]  # the median: some steps fall below it, some do not
+    res = decode(floor)
+    prompt = target.format_prompt(Q)
+    checked = 0
+    for i, s in enumerate(res.steps):
+        if s.p is None or s.p < 0.5:  # handed over, or rejected by the probes: the check never ran
+            assert s.tok is None
+            continue
+        step = s.text if s.author == "draft" else s.proposal
+        state = target.prefill(prompt + "".join(x.text for x in res.steps[:i]))
+        least = float(target.score_step(state, step, logprobs=True).logprobs.exp().min())
+        assert s.tok == pytest.approx(least, rel=1e-3, abs=1e-6), f"step {i}"
+        assert (s.author == "draft") == (s.tok >= floor), f"step {i}"
+        checked += 1
+    authors = {s.author for s in res.steps if s.tok is not None}
+    assert checked >= 3 and authors == {"draft", "target"}, "this test needs steps on both sides"
+    for bad in (0, 1, -0.1, "auto", True):
+        with pytest.raises(ValueError, match="min_token_p must be"):
+            DecodeSettings(min_token_p=bad)
+
+
 @pytest.mark.parametrize("gamma", [2, 3])
 def test_gamma_drafts_several_steps_before_verifying(pair, gamma, monkeypatch):
     draft, target = pair

@@ -76,6 +76,9 @@ def test_profiles_and_overrides():
         ("evaluate.min_p=high", "'min_p' must be null, a number >= 0 or 'auto'"),
         ("evaluate.max_rejections=-1", "'max_rejections' must be null or a count >= 0"),
         ("evaluate.max_rejections=many", "'max_rejections' must be null or a count >= 0"),
+        ("evaluate.min_token_p=0", "'min_token_p' must be null or a probability"),
+        ("evaluate.min_token_p=1.5", "'min_token_p' must be null or a probability"),
+        ("evaluate.min_token_p=auto", "'min_token_p' must be null or a probability"),
         ("ingest.trace_author=[data, judge]", "'trace_author'"),
     ],
 )

@@ -41,7 +41,9 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
     assert len(resume_rows(todo / "arith" / "target.jsonl", key)) == 2
 
 
-@pytest.mark.parametrize("rule", ["evaluate.min_ratio=auto", "evaluate.max_rejections=1"])
+@pytest.mark.parametrize(
+    "rule", ["evaluate.min_ratio=auto", "evaluate.max_rejections=1", "evaluate.min_token_p=0.01"]
+)
 def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path, rule):
     """``evaluate.min_ratio`` and ``max_rejections`` are read by SemanticSpec alone: the baselines' rows
     keep their run key under them (so the ``+floor`` and ``+hN`` evaluations resume the shared ones),
@@ -66,8 +68,13 @@ def test_each_rule_suffix_evaluates_under_its_settings():
     assert rule_settings("+h2") == [
         "--set", "evaluate.max_rejections=2", "--set", "evaluate.probe_variants=[all,random]",
     ]  # fmt: skip
-    with pytest.raises(KeyError):
-        rule_settings("+hx")
+    assert rule_settings("+t0.01+h1") == [
+        "--set", "evaluate.min_token_p=0.01", "--set", "evaluate.max_rejections=1",
+        "--set", "evaluate.probe_variants=[all,random]",
+    ]  # fmt: skip
+    for bad in ("+hx", "+t2", "+tx"):
+        with pytest.raises(KeyError):
+            rule_settings(bad)
 
 
 def test_the_learning_curve_prints_the_oracle_once(capsys):
