@@ -142,7 +142,14 @@ def problem_row(
         "finish_reason": res.finish_reason,
         "text": res.text,
         "steps": [
-            {"author": s.author, "p": s.p, "q": s.q, "u": s.u, "target_tokens": s.target_tokens}
+            {
+                "author": s.author,
+                "p": s.p,
+                "q": s.q,
+                "u": s.u,
+                "target_tokens": s.target_tokens,
+                **({} if s.tok is None else {"tok": s.tok}),  # the token check's least probability
+            }
             for s in res.steps
         ],
         "extra": res.extra,

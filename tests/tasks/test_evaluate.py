@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from semspec.models.decoding import SingleModelDecoder
+from semspec.models.decoding import DecodeResult, SingleModelDecoder, StepRecord
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.eval_stats import bootstrap_pass, summarize_rows
+from semspec.tasks.data import Problem
+from semspec.tasks.eval_stats import bootstrap_pass, problem_row, summarize_rows
 from semspec.tasks.evaluate import run_evaluate
 from tests.helpers.tiny import tiny_lm
 
@@ -25,6 +26,19 @@ def _row(qid: str, latency: float, tokens: int, correct: bool, seed: int = 0) ->
         "target_share": 1.0,
         "acceptance_rate": None,
     }
+
+
+def test_a_problem_row_keeps_the_step_trace_and_the_token_check_where_it_ran():
+    res = DecodeResult("semanticspec", "a\n\nb", "b")
+    res.add(StepRecord("draft", "a\n\n", 2, 3, p=0.9, q=0.5, u=0.1, tok=0.02))
+    res.add(StepRecord("target", "b", 1, 1, p=0.1, q=0.5, u=0.7, proposal="c"))
+    prob = Problem("q1", "arith", "math", "What is b?", "b")
+    row = json.loads(json.dumps(problem_row(prob, 0, "semanticspec-all", res, "b", True)))
+    assert row["steps"] == [
+        {"author": "draft", "p": 0.9, "q": 0.5, "u": 0.1, "target_tokens": 3, "tok": 0.02},
+        {"author": "target", "p": 0.1, "q": 0.5, "u": 0.7, "target_tokens": 1},
+    ]
+    assert row["correct"] is True and row["method"] == "semanticspec-all"
 
 
 def test_batched_rows_compare_by_their_share_of_the_machine():
