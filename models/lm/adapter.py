@@ -371,14 +371,14 @@ class LM:
         todo = [sc for sc in scores if sc.token_p is None and sc.pred_hidden is not None and sc.token_ids]
         if not todo:
             return
-        logits = self.head(torch.cat([sc.pred_hidden[:, -1] for sc in todo])).float()  # (sum k, V)
-        logp = torch.log_softmax(logits, dim=-1)
+        logits = self.head(torch.cat([sc.pred_hidden[:, -1] for sc in todo]))  # (sum k, V) float32
+        ids = torch.tensor([t for sc in todo for t in sc.token_ids])  # (sum k,)
+        token_p = (logits.gather(1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()  # (sum k,)
+        greedy = logits.argmax(-1)  # (sum k,)
         at = 0
         for sc in todo:
             k = len(sc.token_ids)
-            part = logp[at : at + k]  # (k, V)
-            sc.token_p = part.gather(1, torch.tensor(sc.token_ids)[:, None])[:, 0].exp()  # (k,)
-            sc.greedy = logits[at : at + k].argmax(-1)  # (k,)
+            sc.token_p, sc.greedy = token_p[at : at + k], greedy[at : at + k]
             at += k
 
     def greedy_agreement(self, score: StepScore) -> int:
