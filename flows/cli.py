@@ -165,6 +165,13 @@ def bench(
             "each variant with each value in the same run (the first unlabelled, the others <label>/gamma<g>)."
         ),
     ] = None,
+    min_token_p: Annotated[
+        float | None,
+        typer.Option(
+            help="SemanticSpec's token check (default: params' evaluate.min_token_p): a step the probes "
+            "accept is rejected when the target gives one of its tokens a lower probability."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
@@ -183,6 +190,7 @@ def bench(
     options = {"max_new_tokens": max_new_tokens, "salvage": salvage}
     options |= {} if lookahead is None else {"lookahead": lookahead}
     options |= {"gamma": gamma[0]} if gamma else {}
+    options |= {} if min_token_p is None else {"min_token_p": min_token_p}
     also = tuple(dict.fromkeys(gamma[1:])) if gamma else ()
     if also and batch:
         raise typer.BadParameter("one gamma with --batch", param_hint="--gamma")

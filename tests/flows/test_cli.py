@@ -251,3 +251,8 @@ def test_bench_refuses_a_negative_lookahead():
 def test_bench_takes_one_gamma_with_batches():
     res = runner.invoke(app, ["bench", "--batch", "4", "--gamma", "1", "--gamma", "2"])
     assert res.exit_code == 2 and "--gamma" in res.output and "one gamma with --batch" in res.output
+
+
+def test_bench_refuses_a_token_check_that_is_no_probability():
+    res = runner.invoke(app, ["bench", "--min-token-p", "2"])
+    assert res.exit_code != 0 and "min_token_p must be None or a probability in (0, 1)" in res.output
