@@ -31,7 +31,7 @@ import torch
 
 from semspec.models.grading import extract_answer
 from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to, fits_window
-from semspec.models.names import FLOOR_AUTO, ROLES
+from semspec.models.names import FLOOR_AUTO, ROLES, SEMANTICSPEC_RULES
 
 
 class MethodNotApplicable(ValueError):
@@ -624,9 +624,7 @@ class SemanticSpecDecoder(_DraftTarget):
         """What, beyond the evaluation settings, decides this decoder's rows: the probes, salvage, the
         floor on p/q or on p where there is one (``auto`` resolves per probe pair), the rejection
         budget and the token check where there are."""
-        floors = {
-            k: getattr(self.settings, k) for k in ("min_ratio", "min_p", "max_rejections", "min_token_p")
-        }
+        floors = {k: getattr(self.settings, k) for k in SEMANTICSPEC_RULES}
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
@@ -795,10 +793,7 @@ class SemanticSpecDecoder(_DraftTarget):
         with _Clock(_timings([rows[b] for b in checked]), "verify"):
             self.target.read_tokens([scores[b] for b in checked])
         for b in checked:
-            token_p = scores[b].token_p
-            if token_p is None:  # a step with no positions to read (cannot happen for a scored step)
-                continue
-            whys[b]["tok"] = float(token_p.min())
+            whys[b]["tok"] = float(scores[b].token_p.min())
             accepts[b] = whys[b]["tok"] >= self.settings.min_token_p
 
     def _salvage(

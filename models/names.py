@@ -14,6 +14,9 @@ import re
 
 METHODS = ("target", "draft", "specsampling", "assisted", "specreason", "semanticspec")
 PROBE_METHOD = "semanticspec"  # the method that reads the registered probes
+# the evaluate settings only SemanticSpec reads (its acceptance rule): part of its run identity, not of the
+# other methods' run keys
+SEMANTICSPEC_RULES = ("min_ratio", "min_p", "max_rejections", "min_token_p")
 STEP_METHODS = ("semanticspec", "specreason")  # the methods that verify whole draft steps (step acceptance)
 PROBE_VARIANTS = ("random", "last", "all", "mix")  # random: the paper's baseline probe
 ROLES = ("draft", "target")

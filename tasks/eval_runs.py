@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from semspec.models.names import PROBE_METHOD, parse_label
+from semspec.models.names import PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.fingerprint import pipeline_fingerprint
@@ -31,13 +31,11 @@ def run_key(
     same baseline rows)."""
     skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain"}
     if parse_label(label)[0] != PROBE_METHOD:
-        skip |= {"min_ratio", "min_p", "max_rejections", "min_token_p"}
+        skip |= set(SEMANTICSPEC_RULES)
     settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    for name in (
-        "min_p",
-        "max_rejections",
-        "min_token_p",
-    ):  # off, as before the setting: earlier rows keep their keys
+    # a rule that is off is left out, as before it existed, so earlier rows keep their keys (min_ratio was
+    # in the key from the start)
+    for name in (r for r in SEMANTICSPEC_RULES if r != "min_ratio"):
         if settings.get(name) is None:
             settings.pop(name, None)
     spec = {k: v for k, v in asdict(pair).items() if k != "description"}
