@@ -1,0 +1,1 @@
+"""semspec: semantic-aware speculative decoding (SemanticSpec) for reasoning LLMs."""
