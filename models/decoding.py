@@ -30,7 +30,17 @@ from typing import Protocol
 import torch
 
 from semspec.models.grading import extract_answer
-from semspec.models.lm import LM, LMState, Pooled, StepSample, StepScore, StepStart, crop_to, fits_window
+from semspec.models.lm import (
+    LM,
+    LMState,
+    Pooled,
+    Prompt,
+    StepSample,
+    StepScore,
+    StepStart,
+    crop_to,
+    fits_window,
+)
 from semspec.models.names import FLOOR_AUTO, ROLES, SEMANTICSPEC_RULES
 
 
@@ -241,9 +251,11 @@ def finish_result(method: str, res: DecodeResult, t0: float, settings: DecodeSet
     return res
 
 
-def _step_budget(s: DecodeSettings, lm: LM, used: int) -> int:
-    """Tokens ``lm`` may spend on its next step: its step budget, capped by what is left of the output."""
-    return max(1, min(s.step_tokens or lm.spec.max_step_tokens, s.max_new_tokens - used))
+def _step_budget(s: DecodeSettings, lm: LM, used: int, limit: int | None = None) -> int:
+    """Tokens ``lm`` may spend on its next step: its step budget, capped by what is left of the output
+    (``limit``, a row's own budget; default the settings')."""
+    limit = s.max_new_tokens if limit is None else limit
+    return max(1, min(s.step_tokens or lm.spec.max_step_tokens, limit - used))
 
 
 def _scored_room(s: DecodeSettings, target: LM) -> int:
@@ -262,11 +274,12 @@ def _probe_all(fn: ProbeFn, pooled: list[Pooled]) -> list[float]:
 class _Row:
     """One problem of a batch: its result so far and both models' states."""
 
-    index: int  # position in the list of questions
+    index: int  # the job's key: its position in the list of questions, or a server's request id
     res: DecodeResult
     t0: float
     seed: int
     rng: random.Random
+    budget: int  # output tokens this row may write (its job's, else the settings' max_new_tokens)
     draft: LMState | None = None  # the draft's state (None when the decoder has no draft)
     target: LMState | None = None  # the target's state (None when the decoder has no target)
     queued: _Rewrite | None = None  # a rejected step waiting for the target to rewrite it
@@ -290,12 +303,28 @@ class _Row:
 
     def finished(self, s: DecodeSettings) -> bool:
         """Whether the row has used its budget or ended with EOS."""
-        return self.res.output_tokens >= s.max_new_tokens or self.res.finish_reason == "eos"
+        return self.res.output_tokens >= self.budget or self.res.finish_reason == "eos"
+
+    def step_budget(self, s: DecodeSettings, lm: LM, used: int | None = None) -> int:
+        """Tokens ``lm`` may spend on this row's next step after ``used`` output tokens (default: the
+        row's output so far)."""
+        return _step_budget(s, lm, self.res.output_tokens if used is None else used, self.budget)
 
     def used(self, ahead: Sequence[StepSample], base: int | None = None) -> int:
         """Output tokens a step written after the steps ``ahead`` starts from: ``base`` (default the
         row's output so far) plus what those steps use."""
         return (self.res.output_tokens if base is None else base) + sum(x.num_tokens for x in ahead)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt for a batch decoder: its key (the row's ``index``), and its own output budget and seed
+    where they differ from the decoder's settings (a server's requests do)."""
+
+    key: int
+    prompt: Prompt
+    max_new_tokens: int | None = None
+    seed: int | None = None
 
 
 def _share(rows: list[_Row], seconds: float) -> None:
@@ -326,14 +355,14 @@ class BatchDecoder:
         """One round for every live row."""
         raise NotImplementedError
 
-    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+    def decode(self, question: Prompt, on_step: StepCallback | None = None) -> DecodeResult:
         """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
         callback = None if on_step is None else (lambda _i, step: on_step(step))
         return self.decode_batch([question], batch_size=1, on_step=callback)[0]
 
     def decode_batch(
         self,
-        questions: Sequence[str],
+        questions: Sequence[Prompt],
         batch_size: int = 8,
         on_step: Callable[[int, StepRecord], None] | None = None,
         on_result: Callable[[int, DecodeResult], None] | None = None,
@@ -345,43 +374,55 @@ class BatchDecoder:
         the rows in it), the per-problem cost that compares fairly across batch sizes."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        queue, live = deque(range(len(questions))), []
+        queue, live = deque(Job(i, q) for i, q in enumerate(questions)), []
         results: list[DecodeResult | None] = [None] * len(questions)
         while queue or live:
             joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
             if joining:
-                t0 = time.perf_counter()
-                rows = self._join(joining, questions, on_step)
-                _share(rows, time.perf_counter() - t0)
-                live += rows
-            t0 = time.perf_counter()
-            self._advance(live)
-            _share(live, time.perf_counter() - t0)
-            for row in [r for r in live if r.finished(self.settings)]:
-                results[row.index] = finish_result(self.method, row.res, row.t0, self.settings)
+                live += self.admit(joining, on_step)
+            for row in self.step(live):
+                results[row.index] = row.res
                 if on_result is not None:
                     on_result(row.index, row.res)
             live = [r for r in live if not r.finished(self.settings)]
         return results
 
-    def _join(
-        self, indices: list[int], questions: Sequence[str], on_step: Callable[[int, StepRecord], None] | None
+    def admit(
+        self, jobs: Sequence[Job], on_step: Callable[[int, StepRecord], None] | None = None
     ) -> list[_Row]:
-        """New rows: every model reads its prompts in one padded prefill."""
+        """New rows for ``jobs``: every model reads their prompts in one padded prefill. The caller keeps
+        the rows and passes them to ``step`` until each is finished (continuous batching: rows may join
+        between any two steps, and a row dropped from the list simply leaves the batch)."""
         s, t0 = self.settings, time.perf_counter()
         rows = []
-        for i in indices:
-            callback = None if on_step is None else functools.partial(on_step, i)
+        for job in jobs:
+            callback = None if on_step is None else functools.partial(on_step, job.key)
             res = DecodeResult(self.method, "", None, on_step=callback)
+            seed = s.seed if job.seed is None else job.seed
+            budget = s.max_new_tokens if job.max_new_tokens is None else job.max_new_tokens
+            if budget < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
             # acceptance draws: seeded per (seed, problem), so problems do not share one sequence of draws
-            rows.append(_Row(i, res, t0, s.seed, random.Random(f"{s.seed}:{questions[i]}")))
+            rows.append(_Row(job.key, res, t0, seed, random.Random(f"{seed}:{job.prompt}"), budget))
         for role in self.roles:
             lm = self.lm(role)
             with _Clock(_timings(rows), role):
-                states = lm.prefill_many([lm.format_prompt(questions[i]) for i in indices])
+                states = lm.prefill_many([lm.format_prompt(job.prompt) for job in jobs])
             for row, state in zip(rows, states, strict=True):
                 row.set_state(role, state)
+        _share(rows, time.perf_counter() - t0)
         return rows
+
+    def step(self, live: list[_Row]) -> list[_Row]:
+        """One round for every row in ``live``; returns the rows it finished, their results complete (the
+        caller drops them from its list)."""
+        t0 = time.perf_counter()
+        self._advance(live)
+        _share(live, time.perf_counter() - t0)
+        done = [r for r in live if r.finished(self.settings)]
+        for row in done:
+            finish_result(self.method, row.res, row.t0, self.settings)
+        return done
 
 
 class SingleModelDecoder(BatchDecoder):
@@ -409,14 +450,11 @@ class SingleModelDecoder(BatchDecoder):
 
         def more(b: int, done: list[StepSample]) -> int | None:
             used = rows[b].used(done)
-            if len(done) > s.lookahead or used >= s.max_new_tokens:
+            if len(done) > s.lookahead or used >= rows[b].budget:
                 return None
-            return _step_budget(s, self.model, used)
+            return rows[b].step_budget(s, self.model, used)
 
-        starts = [
-            StepStart(r.state(self.role), _step_budget(s, self.model, r.res.output_tokens), r.seed)
-            for r in rows
-        ]
+        starts = [StepStart(r.state(self.role), r.step_budget(s, self.model), r.seed) for r in rows]
         with _Clock(_timings(rows), self.role):
             outs = self.model.decode_runs(starts, s.temperature, s.top_p, 1, more)
         for row, (steps, state) in zip(rows, outs, strict=True):
@@ -491,14 +529,14 @@ class _DraftTarget(BatchDecoder):
         advances the draft's caches. Proposal ``j`` samples with ``row.seed + j``. Returns row index ->
         its proposals, each with the token budget it was written under."""
         s = self.settings
-        budgets = {b: [_step_budget(s, self.draft, r.res.output_tokens)] for b, r in enumerate(rows)}
+        budgets = {b: [r.step_budget(s, self.draft)] for b, r in enumerate(rows)}
 
         def more(b: int, done: list[StepSample]) -> int | None:
             # what the round's earlier proposals use counts against the output budget too
             used = rows[b].used(done)
-            if used >= s.max_new_tokens or len(done) >= gamma + lookahead:
+            if used >= rows[b].budget or len(done) >= gamma + lookahead:
                 return None
-            budgets[b].append(_step_budget(s, self.draft, used))
+            budgets[b].append(rows[b].step_budget(s, self.draft, used))
             return budgets[b][-1]
 
         starts = [StepStart(r.draft, budgets[b][0], r.seed) for b, r in enumerate(rows)]
@@ -515,9 +553,9 @@ class _DraftTarget(BatchDecoder):
         ``used`` output tokens before it (the target's count, as a round would start from); with
         lookahead the draft counted its own tokens, and a different budget matters only when the step
         ran into one of the two."""
-        if used >= self.settings.max_new_tokens:
+        if used >= row.budget:
             return False
-        needed = _step_budget(self.settings, self.draft, used)
+        needed = row.step_budget(self.settings, self.draft, used)
         return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
 
     def _accept(
@@ -638,7 +676,7 @@ class SemanticSpecDecoder(_DraftTarget):
         going = [r for r in rows if r.res.rejections < s.max_rejections]
         writes = []
         for row in handed:
-            start = StepStart(row.target, _step_budget(s, self.target, row.res.output_tokens), row.seed)
+            start = StepStart(row.target, row.step_budget(s, self.target), row.seed)
             writes.append(_Rewrite(row, start, None, [], None, {}))
             row.seed += 1
         return writes + (self._verify_round(going) if going else [])
@@ -688,7 +726,7 @@ class SemanticSpecDecoder(_DraftTarget):
                         verifying.append(row)
                     continue
                 row.seed = seeds[row.index] + i + 1
-                budget = _step_budget(s, self.target, row.res.output_tokens)
+                budget = row.step_budget(s, self.target)
                 start, kept = self._salvage(row, v.score, budget, v.restore)
                 replay = [prev.text for prev, _ in proposals[row.index][:i]]
                 rewrites.append(_Rewrite(row, start, d_restores[row.index], replay, step.text, v.why, kept))
@@ -863,9 +901,7 @@ class SpecReasonDecoder(_DraftTarget):
         """One round: the draft writes a step per row, the target rates them (batched); returns the steps
         below the threshold, for the target to rewrite."""
         s = self.settings
-        d_restores = {
-            r.index: r.draft.checkpoint(_step_budget(s, self.draft, r.res.output_tokens) + 8) for r in rows
-        }
+        d_restores = {r.index: r.draft.checkpoint(r.step_budget(s, self.draft) + 8) for r in rows}
         proposals = self._propose(rows, 1)
         steps = [proposals[r.index][0][0] for r in rows]
         for row in rows:
@@ -885,7 +921,7 @@ class SpecReasonDecoder(_DraftTarget):
             if new_t is not None and score >= s.accept_threshold:
                 self._accept(row, step, new_t, k, score=score)
                 continue
-            budget = _step_budget(s, self.target, row.res.output_tokens)
+            budget = row.step_budget(s, self.target)
             start = StepStart(t_restores[b](), budget, row.seed)
             rewrites.append(_Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
             row.seed += 1

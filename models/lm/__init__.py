@@ -29,6 +29,7 @@ from ``semspec.models.lm``.
 from semspec.models.lm.adapter import LM
 from semspec.models.lm.cache import crop_to, fits_window
 from semspec.models.lm.loading import load_lm, pick_device
+from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages
 from semspec.models.lm.types import (
     LMState,
     NextBudget,
@@ -45,9 +46,12 @@ __all__ = [
     "NextBudget",
     "Partial",
     "Pooled",
+    "Prompt",
+    "RawPrompt",
     "StepSample",
     "StepScore",
     "StepStart",
+    "check_messages",
     "crop_to",
     "fits_window",
     "load_lm",

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
+from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages, neutralize, plain_chat
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
 from semspec.models.lm.types import (
     LMState,
@@ -102,16 +103,33 @@ class LM:
             )
         return self.spec.prompt == "chat" or (self.spec.prompt == "auto" and has)
 
-    def format_prompt(self, question: str) -> str:
-        """The text that precedes the first reasoning step."""
-        if not question or not question.strip():
-            raise ValueError("question must be a non-empty string")
+    def format_prompt(self, question: Prompt) -> str:
+        """The text that precedes the first reasoning step: ``question`` in the pair's template (a chat
+        template's user turn, else ``plain_template``); a list of messages rendered by the chat template
+        (or as plain paragraphs); a ``RawPrompt`` as it is. Control-token strings inside user text are
+        neutralized (``models/lm/prompts.py``)."""
+        if isinstance(question, RawPrompt):
+            if not question:
+                raise ValueError("the prompt is empty")
+            return str(question)
+        if isinstance(question, str):
+            if not question.strip():
+                raise ValueError("question must be a non-empty string")
+            messages = [{"role": "user", "content": question.strip()}]
+        else:
+            messages = check_messages(question)
+        specials = self._control_tokens()
+        messages = [{**m, "content": neutralize(m["content"], specials)} for m in messages]
         if not self.uses_chat_template():
-            return self.spec.plain_template.format(question=question.strip())
-        messages = [{"role": "user", "content": question.strip()}]
-        if self.spec.system_prompt:
+            return plain_chat(messages, self.spec.plain_template)
+        if self.spec.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _control_tokens(self) -> list[str]:
+        """Every special or added control-token string of the tokenizer."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return sorted({*self.tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)})
 
     def next_turn(self, instruction: str, reply_start: str) -> str:
         """The text that closes the assistant's turn, asks ``instruction`` as a new user turn and opens

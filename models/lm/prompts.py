@@ -1,0 +1,61 @@
+"""What a decoder is asked: a question (the pair's template wraps it), a chat (a list of messages the
+model's chat template renders), or raw text (read as it is, as OpenAI's ``/v1/completions`` does).
+
+User text never becomes control tokens: any special-token string of the tokenizer (``<|im_start|>``,
+``<|endoftext|>``, ...) inside a message is broken by a zero-width space before the template runs, so it
+tokenizes as the plain characters a user typed and cannot open a forged system or assistant turn."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+CHAT_ROLES = ("system", "user", "assistant")
+_BREAK = "\u200b"  # zero-width space: splits a control-token string into plain text
+
+
+class RawPrompt(str):
+    """Text read by the models exactly as given: no template, special tokens included (the caller's
+    choice, as in a raw completion)."""
+
+
+Message = Mapping[str, str]
+Prompt = Union[str, RawPrompt, Sequence[Message]]  # noqa: UP007 (a runtime alias)
+
+
+def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """The messages as plain dicts, checked: each has a role in ``CHAT_ROLES`` and string content, there
+    is at least one, and the last is the user's (the model answers it). ValueError says what is wrong."""
+    if isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
+    out = []
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, Mapping)
+            or m.get("role") not in CHAT_ROLES
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"messages[{i}] must have a role in {CHAT_ROLES} and string content, got {m!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise ValueError("the last message must be the user's: the model answers it")
+    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+        raise ValueError("the user's messages are empty")
+    return out
+
+
+def neutralize(text: str, specials: Sequence[str]) -> str:
+    """``text`` with every occurrence of a special-token string broken after its first character, so a
+    tokenizer reads it as plain text (``specials``: the tokenizer's special and added control tokens)."""
+    for token in sorted((t for t in specials if len(t) > 1), key=len, reverse=True):
+        if token in text:
+            text = text.replace(token, token[0] + _BREAK + token[1:])
+    return text
+
+
+def plain_chat(messages: Sequence[Message], template: str) -> str:
+    """A chat for a model without a chat template: earlier turns as ``Role: text`` paragraphs, then the
+    last user message in the pair's plain ``template``."""
+    *before, last = messages
+    lead = "".join(f"{m['role'].title()}: {m['content'].strip()}\n\n" for m in before)
+    return lead + template.format(question=last["content"].strip())
