@@ -211,7 +211,66 @@ def bench(
 
 
 @app.command()
-def serve() -> None:
+def serve(
+    pair: PairOpt = None,
+    probes: Annotated[
+        str | None,
+        typer.Option(
+            help="Exported probes: a folder or a Hub repo id (default: the local registry's champions)."
+        ),
+    ] = None,
+    probe: Annotated[
+        str, typer.Option(help="Probe variant (all, last, mix, random); 'none' serves baselines only.")
+    ] = "all",
+    host: Annotated[
+        str, typer.Option(help="Address to bind; another than loopback needs --api-key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="SEMSPEC_API_KEY", help="Required as 'Authorization: Bearer KEY'.")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Rows decoded at once (continuous batching).")] = 8,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait; one more is answered 429.")] = 64,
+    spec_max_batch: Annotated[
+        str,
+        typer.Option(
+            help="Requests in flight up to which SemanticSpec speculates (above: the target alone): auto "
+            "(measured per CPU kind, conf/serving.yaml), always, or a count."
+        ),
+    ] = "auto",
+    max_tokens_limit: Annotated[int, typer.Option(help="The largest max_tokens a request may ask.")] = 2048,
+    replicas: Annotated[
+        int, typer.Option(help="0: one process (uvicorn); N >= 1: N replicas under Ray Serve.")
+    ] = 0,
+) -> None:
+    """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics); concurrent requests are decoded together."""
+    from semspec.flows.server import ServeConfig, parse_spec_max_batch, run_server
+
+    cfg = or_exit(
+        lambda: ServeConfig(
+            host=host,
+            port=port,
+            api_key=api_key,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            spec_max_batch=parse_spec_max_batch(spec_max_batch),
+            max_tokens_limit=max_tokens_limit,
+        )
+    )
+    if replicas < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--replicas")
+    or_exit(lambda: run_server(pair, probes, None if probe == "none" else probe, cfg, replicas))
+
+
+deployments_app = typer.Typer(
+    help="The Prefect deployments semspec/full and semspec/retrain.", no_args_is_help=True
+)
+app.add_typer(deployments_app, name="deployments")
+
+
+@deployments_app.command("serve")
+def deployments_serve() -> None:
     """Serve the deployments semspec/full and semspec/retrain (cron from params.yaml's `retrain`) and run
     their flow runs; needs the Prefect server (`semspec services up` starts both)."""
     from semspec.flows.pipeline import serve_deployments

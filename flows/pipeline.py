@@ -2,7 +2,7 @@
 
 Each stage task runs the stage as ``dvc.yaml`` defines it (see ``flows.stages``); the last task loads the
 registered ``champion`` probes and decodes one question, proving the registry round trip. Nothing runs
-at import time: ``semspec serve`` (or ``serve_deployments``) serves the deployments.
+at import time: ``semspec deployments serve`` (or ``serve_deployments``) serves the deployments.
 """
 
 from __future__ import annotations

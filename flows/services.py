@@ -96,7 +96,7 @@ def services(root: Path | None = None) -> list[Service]:
         ),
         Service(
             "serve",
-            [str(bin_dir / "semspec"), "serve"],
+            [str(bin_dir / "semspec"), "deployments", "serve"],
             None,
             f"{api}/deployments/name/semspec/retrain",  # both deployments exist once this answers
             env={"PREFECT_API_URL": api},

@@ -48,7 +48,7 @@ async def follow(flow_run_id: UUID, echo: Callable[[str], None], timeout: int | 
 async def run_and_follow(
     deployment: str, parameters: dict, echo: Callable[[str], None], timeout: int | None = None
 ) -> FlowRun:
-    """Start a run of ``deployment`` (served by ``semspec serve``) and follow it to its end."""
+    """Start a run of ``deployment`` (served by ``semspec deployments serve``) and follow it to its end."""
     run = await arun_deployment(deployment, parameters=parameters, timeout=0)
     echo(f"flow run {run.name}: {flow_run_url(run.id)}")
     return await follow(run.id, echo, timeout)

@@ -410,6 +410,7 @@ class BatchDecoder:
                 states = lm.prefill_many([lm.format_prompt(job.prompt) for job in jobs])
             for row, state in zip(rows, states, strict=True):
                 row.set_state(role, state)
+                row.res.extra["prompt_tokens"] = len(state.ids)  # the last role's: the target's where there is one
         _share(rows, time.perf_counter() - t0)
         return rows
 

@@ -38,6 +38,9 @@ class Settings:
     """The environment, parsed: paths resolved, ports checked."""
 
     project_dir: Path  # SEMSPEC_PROJECT_DIR: conf/, params.yaml, dvc.yaml (default: this repository)
+    # SEMSPEC_HOME: the state a user's runs keep (the MLflow registry mlruns.db, mlartifacts/, .prefect/,
+    # .hf/); default the project folder, so a checkout keeps its own
+    home: Path
     cache_dir: Path  # SEMSPEC_CACHE_DIR: joined model parts, hash stamps (default ~/.cache/semspec)
     data_dir: Path | None  # SEMSPEC_DATA_DIR: local benchmark copies (None: the Hub)
     mlflow_artifacts: Path  # SEMSPEC_MLFLOW_ARTIFACTS (default <project>/mlartifacts)
@@ -57,11 +60,13 @@ class Settings:
         """Parse ``env`` (default ``os.environ``); a bad port is a ValueError naming the variable."""
         env = os.environ if env is None else env
         project = Path(env["SEMSPEC_PROJECT_DIR"]).resolve() if env.get("SEMSPEC_PROJECT_DIR") else _REPO
+        home = Path(env["SEMSPEC_HOME"]).expanduser().resolve() if env.get("SEMSPEC_HOME") else project
         return cls(
             project_dir=project,
+            home=home,
             cache_dir=Path(env.get("SEMSPEC_CACHE_DIR") or Path.home() / ".cache" / "semspec"),
             data_dir=Path(env["SEMSPEC_DATA_DIR"]) if env.get("SEMSPEC_DATA_DIR") else None,
-            mlflow_artifacts=Path(env.get("SEMSPEC_MLFLOW_ARTIFACTS") or project / "mlartifacts").resolve(),
+            mlflow_artifacts=Path(env.get("SEMSPEC_MLFLOW_ARTIFACTS") or home / "mlartifacts").resolve(),
             prefect_port=_port(env, "SEMSPEC_PREFECT_PORT", 4200),
             mlflow_port=_port(env, "SEMSPEC_MLFLOW_PORT", 5000),
             ray_address=env.get("RAY_ADDRESS") or None,
@@ -88,10 +93,11 @@ def reload_settings() -> Settings:
 
 
 def project_env(root: Path | None = None, s: Settings | None = None) -> dict[str, str]:
-    """Environment variables for local services, Ray and offline model loading (for ``root``, with the
-    ports of ``s``; default: this process's settings)."""
+    """Environment variables for local services, Ray and offline model loading: their state under
+    ``root`` (a copy of the project), else under ``SEMSPEC_HOME``, with the ports of ``s`` (default: this
+    process's settings)."""
     s = s or settings()
-    r = (root or s.project_dir).resolve()
+    r = (root or s.home).resolve()
     return {
         "PREFECT_HOME": str(r / ".prefect"),
         "PREFECT_API_URL": f"http://{HOST}:{s.prefect_port}/api",

@@ -1,0 +1,140 @@
+"""The request and response bodies of the server's OpenAI-compatible endpoints (pydantic).
+
+Requests reject unknown fields (``extra="forbid"``): a misspelt option fails loudly instead of being
+ignored. Besides OpenAI's fields a request may carry ``method`` (a baseline through the same endpoint)
+and ``seed``; every response carries the SemanticSpec trace in the extension field ``semspec``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# the methods a server decodes: the step-level ones, which share the batched step loop
+SERVED_METHODS = ("semanticspec", "target", "draft", "specreason")
+Method = Literal["semanticspec", "target", "draft", "specreason"]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(max_length=200_000)]
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # the served pair's name (GET /v1/models); None: it
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    user: str | None = None
+    method: Method = "semanticspec"  # semspec's extension: a baseline through the same endpoint
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _finite(cls, v: object) -> object:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is read as it is (no chat template)."""
+
+    prompt: (
+        Annotated[str, Field(min_length=1, max_length=200_000)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=200_000)]], Field(min_length=1, max_length=1)
+        ]
+    )
+
+
+class StepOut(BaseModel):
+    """One step of the trace."""
+
+    author: Literal["draft", "target"]
+    text: str
+    accepted: bool | None
+    p: float | None = None
+    q: float | None = None
+    tokens: int = 0
+
+
+class Trace(BaseModel):
+    """The ``semspec`` extension field: how the answer was decoded."""
+
+    method: str  # what the request asked for
+    ran_as: str  # what decoded it (the target where speculation was off under load)
+    speculation: bool
+    spec_max_batch: int | None
+    steps: list[StepOut] = Field(default_factory=list)
+    target_share: float | None = None
+    acceptance_rate: float | None = None
+    queue_seconds: float | None = None
+    decode_seconds: float | None = None
+
+
+class Usage(BaseModel):
+    """Token counts (the target's tokenizer)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every failed request gets."""
+
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "semspec"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,262 @@
+"""Continuous batching for concurrent requests: one worker thread runs the batched step loop, requests
+join the running batch between two rounds and leave it when they finish or their client goes away.
+
+Requests are grouped in *lanes*, one per (method, temperature, top_p): rows of a lane share every model
+call (``BatchDecoder.admit`` and ``step``), and the lanes take turns round by round. A row's budget and
+seed are its own, so requests with different ``max_tokens`` or seeds share a lane.
+
+Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: a
+SemanticSpec request that arrives while more than ``spec_max_batch`` requests are in flight is decoded by
+the target alone. A full batch is compute-bound, and the target's verification then costs more than the
+draft saves; which batch size that is depends on the CPU (``semspec.serving_threshold``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from itertools import count
+
+from semspec.models.decoding import BatchDecoder, DecodeResult, Job, StepRecord, _Row
+from semspec.models.lm import Prompt
+from semspec.models.names import PROBE_METHOD
+
+log = logging.getLogger(__name__)
+
+LaneKey = tuple[str, float, float]  # (method, temperature, top_p)
+DecoderFactory = Callable[[str, float, float], BatchDecoder]
+
+
+class Overloaded(RuntimeError):
+    """The queue is full: the request was not taken (a server answers 429 with Retry-After)."""
+
+
+class Stopped(RuntimeError):
+    """The engine stopped before the request finished."""
+
+
+@dataclass
+class Request:
+    """One prompt to decode, as a client asked for it."""
+
+    prompt: Prompt
+    method: str = PROBE_METHOD
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    on_step: Callable[[StepRecord], None] | None = None  # called from the engine's thread
+    # set by the engine
+    id: int = -1
+    future: Future = field(default_factory=Future)  # the DecodeResult
+    admitted: Future = field(default_factory=Future)  # True once its row is in the batch (prompt read)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    speculation: bool = True  # False: decoded by the target alone because the batch was full
+    submitted: float = 0.0
+    started: float | None = None  # when its row joined a batch (queue wait = started - submitted)
+
+    @property
+    def ran_as(self) -> str:
+        """The method that decodes it (the target where speculation was switched off)."""
+        return self.method if self.speculation or self.method != PROBE_METHOD else "target"
+
+    def cancel(self) -> None:
+        """Drop the request: its row leaves the batch at the next round (a client that went away)."""
+        self.cancelled.set()
+
+
+@dataclass
+class _Lane:
+    decoder: BatchDecoder
+    rows: list[_Row] = field(default_factory=list)
+    requests: dict[int, Request] = field(default_factory=dict)
+
+
+class Engine:
+    """The batched step loop behind a server: ``submit`` a request, wait on its ``future``.
+
+    Args:
+        decoders: builds the decoder of (method, temperature, top_p); called once per lane.
+        max_batch: rows decoded at once, over every lane.
+        max_queue: requests that may wait for a place; one more raises :class:`Overloaded`.
+        spec_max_batch: the most requests in flight for which SemanticSpec still speculates (None: always).
+        on_done: called with each finished request and its result (metrics), from the engine's thread.
+    """
+
+    def __init__(
+        self,
+        decoders: DecoderFactory,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        spec_max_batch: int | None = None,
+        on_done: Callable[[Request, DecodeResult | None, BaseException | None], None] | None = None,
+    ) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if spec_max_batch is not None and spec_max_batch < 0:
+            raise ValueError(f"spec_max_batch must be None or >= 0, got {spec_max_batch}")
+        self.decoders, self.max_batch, self.max_queue = decoders, max_batch, max_queue
+        self.spec_max_batch, self.on_done = spec_max_batch, on_done
+        self._pending: deque[Request] = deque()
+        self._lanes: dict[LaneKey, _Lane] = {}
+        self._cond = threading.Condition()
+        self._ids = count()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.rounds = 0  # model rounds run (each over every row of one lane)
+
+    # ----------------------------------------------------------------------------- client side
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a place in the batch."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Rows in the batch now, over every lane."""
+        return sum(len(lane.rows) for lane in list(self._lanes.values()))
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request``; its ``future`` resolves to a ``DecodeResult``. Raises :class:`Overloaded`
+        when ``max_queue`` requests already wait, :class:`Stopped` after ``stop``."""
+        with self._cond:
+            if self._stop:
+                raise Stopped("the engine is stopped")
+            if len(self._pending) >= self.max_queue:
+                raise Overloaded(
+                    f"{len(self._pending)} requests are waiting (the queue holds {self.max_queue})"
+                )
+            request.id, request.submitted = next(self._ids), time.perf_counter()
+            self._pending.append(request)
+            self._cond.notify()
+        return request
+
+    def start(self) -> Engine:
+        """Start the worker thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="semspec-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, fail the unfinished ones with :class:`Stopped`, join the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for req in [*self._pending, *(r for lane in self._lanes.values() for r in lane.requests.values())]:
+            self._fail(req, Stopped("the server is shutting down"))
+
+    # ----------------------------------------------------------------------------- worker side
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._pending and not self.running:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                joining = self._take()
+            self._admit(joining)
+            for key in list(self._lanes):
+                self._round(key)
+
+    def _take(self) -> list[Request]:
+        """Pending requests that fit in the batch, in order; cancelled ones are dropped. Decides each
+        SemanticSpec request's speculation from how many are in flight with it."""
+        taken, room = [], self.max_batch - self.running
+        while self._pending and len(taken) < room:
+            req = self._pending.popleft()
+            if req.cancelled.is_set():
+                self._fail(req, Stopped("cancelled"))
+                continue
+            in_flight = self.running + len(taken) + 1 + len(self._pending)
+            req.speculation = self.spec_max_batch is None or in_flight <= self.spec_max_batch
+            taken.append(req)
+        return taken
+
+    def _lane(self, req: Request) -> tuple[LaneKey, _Lane]:
+        key = (req.ran_as, float(req.temperature), float(req.top_p))
+        if key not in self._lanes:
+            self._lanes[key] = _Lane(self.decoders(*key))
+        return key, self._lanes[key]
+
+    def _admit(self, requests: list[Request]) -> None:
+        """Prefill the new requests, lane by lane (one padded prefill per lane); a request whose prompt
+        fails alone is failed alone."""
+        groups: dict[LaneKey, list[Request]] = {}
+        for req in requests:
+            try:
+                key, _ = self._lane(req)
+            except Exception as e:  # a decoder that cannot be built: this request's error
+                self._fail(req, e)
+                continue
+            groups.setdefault(key, []).append(req)
+        for key, reqs in groups.items():
+            lane = self._lanes[key]
+            try:
+                rows = self._admit_rows(lane, reqs)
+            except Exception:  # find the culprit: admit one by one
+                rows = []
+                for req in reqs:
+                    try:
+                        rows += self._admit_rows(lane, [req])
+                    except Exception as e:
+                        self._fail(req, e)
+            lane.rows += rows
+
+    def _admit_rows(self, lane: _Lane, reqs: list[Request]) -> list[_Row]:
+        jobs = [Job(r.id, r.prompt, r.max_new_tokens, r.seed) for r in reqs]
+        by_id = {r.id: r for r in reqs}
+
+        def on_step(key: int, step: StepRecord) -> None:
+            callback = by_id[key].on_step
+            if callback is not None:
+                callback(step)
+
+        rows = lane.decoder.admit(jobs, on_step)
+        now = time.perf_counter()
+        for req in reqs:
+            req.started = now
+            lane.requests[req.id] = req
+            req.admitted.set_result(True)
+        return rows
+
+    def _round(self, key: LaneKey) -> None:
+        """One round of one lane: drop cancelled rows, advance the rest, resolve the finished."""
+        lane = self._lanes[key]
+        for row in [r for r in lane.rows if lane.requests[r.index].cancelled.is_set()]:
+            lane.rows.remove(row)
+            self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
+        if not lane.rows:
+            return
+        try:
+            done = lane.decoder.step(lane.rows)
+        except Exception as e:  # the lane's rows fail; the engine keeps serving
+            log.exception("decoding failed for %d rows of %s", len(lane.rows), key)
+            for row in lane.rows:
+                self._fail(lane.requests.pop(row.index), e)
+            lane.rows = []
+            return
+        self.rounds += 1
+        finished = {r.index for r in done}
+        lane.rows = [r for r in lane.rows if r.index not in finished]
+        for row in done:
+            req = lane.requests.pop(row.index)
+            if self.on_done is not None:
+                self.on_done(req, row.res, None)
+            req.future.set_result(row.res)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        if not req.admitted.done():
+            req.admitted.set_exception(error)
+        if req.future.done():
+            return
+        if self.on_done is not None:
+            self.on_done(req, None, error)
+        req.future.set_exception(error)
