@@ -59,14 +59,14 @@ class ServeConfig:
     max_queue: int = 64  # requests that may wait for a row; one more is answered 429
     spec_max_batch: int | None = None  # SemanticSpec speculates while at most this many are in flight
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
-    default_max_tokens: int = 256  # a request without max_tokens
+    default_max_tokens: int | None = None  # a request without max_tokens (None: the evaluation's budget)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_batch < 1 or self.max_queue < 0 or self.max_tokens_limit < 1:
             raise ValueError("max_batch and max_tokens_limit must be >= 1, max_queue >= 0")
-        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+        if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must be in 1..{self.max_tokens_limit}")
         if not is_loopback(self.host) and not self.api_key:
             raise ValueError(
@@ -174,6 +174,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     metrics.watch(engine)
     model_id = spec.pair.name
     created = int(time.time())
+    default_tokens = cfg.default_max_tokens or min(spec.defaults.max_new_tokens, cfg.max_tokens_limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -227,7 +228,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
             raise ApiError(
                 400, "this server was started without probes: ask for method 'target'", param="method"
             )
-        max_tokens = asked or cfg.default_max_tokens
+        max_tokens = asked or default_tokens
         if max_tokens > cfg.max_tokens_limit:
             raise ApiError(
                 400,
@@ -410,12 +411,4 @@ def run_server(
     from semspec.api import load
 
     spec = load(pair, probes=probes, probe=probe)
-    cfg = with_default_tokens(cfg, spec)
     uvicorn.run(create_app(spec, cfg), host=cfg.host, port=cfg.port, log_level="info")
-
-
-def with_default_tokens(cfg: ServeConfig, spec: SemanticSpec) -> ServeConfig:
-    """``cfg`` with the evaluation's output budget as a request's default (capped by the limit)."""
-    from dataclasses import replace
-
-    return replace(cfg, default_max_tokens=min(spec.defaults.max_new_tokens, cfg.max_tokens_limit))

@@ -1,0 +1,91 @@
+"""A served pair of tiny models (no checkpoint, milliseconds a step) and a uvicorn server in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import uvicorn
+
+from semspec.api import SemanticSpec
+from semspec.flows.server import ServeConfig, create_app
+from semspec.models.decoding import (
+    BatchDecoder,
+    DecodeSettings,
+    SemanticSpecDecoder,
+    SingleModelDecoder,
+)
+from semspec.models.pair import PairConfig
+from tests.helpers.project import free_port
+from tests.helpers.tiny import tiny_lm
+
+
+class TinySpec(SemanticSpec):
+    """A ``SemanticSpec`` over two tiny random models whose probes are fixed functions (p 0.5, q 1.0:
+    about half the draft's steps accepted); ``delay`` slows each round (disconnects, full queues)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        draft = tiny_lm(merged=True, seed=0, boost=2.0, eos_bias=-2.0, init=0.2, max_step_tokens=8)
+        target = tiny_lm(
+            merged=False, seed=1, boost=2.0, eos_bias=-2.0, hidden=64, init=0.2, max_step_tokens=8
+        )
+        pair = PairConfig.from_dict(
+            {
+                "name": "tiny",
+                "draft": {"model_id": "tiny-llama-0", "source": "local", "path": "/nonexistent"},
+                "target": {"model_id": "tiny-llama-1", "source": "local", "path": "/nonexistent"},
+            },
+            where="tiny",
+        )
+        super().__init__(
+            pair, {"draft": draft, "target": target}, DecodeSettings(max_new_tokens=24), "all", None, 4
+        )
+        self.delay = delay
+
+    def decoder(self, method: str = "semanticspec", **overrides) -> BatchDecoder:
+        settings = self.settings(**overrides)
+        if method == "semanticspec":
+            dec = SemanticSpecDecoder(
+                self.lms["draft"], self.lms["target"], lambda h: 1.0, lambda h: 0.5, replace(settings, seed=0)
+            )
+        else:
+            dec = SingleModelDecoder(self.lms[method], settings, method)
+        if self.delay:
+            step = dec.step
+
+            def slow(live):
+                time.sleep(self.delay)
+                return step(live)
+
+            dec.step = slow
+        return dec
+
+
+@contextlib.contextmanager
+def running_server(spec: SemanticSpec, **cfg) -> Iterator[tuple[str, object]]:
+    """Serve ``spec`` on a free loopback port in a thread; yields (base URL, app); stops it after."""
+    port = free_port()
+    app = create_app(spec, ServeConfig(port=port, **cfg))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield base, app
+    finally:
+        server.should_exit = True
+        thread.join(10)
