@@ -216,7 +216,7 @@ def test_concurrent_requests_share_rounds_and_speculation_stops_above_the_thresh
     alone = spec.generate(CHAT, method="target", max_new_tokens=24)
     assert all(
         r.json()["choices"][0]["message"]["content"] == alone.text
-        for r, t in zip(outs, traces)
+        for r, t in zip(outs, traces, strict=True)
         if not t["speculation"]
     )
 
