@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from semspec.flows.cli_common import PairOpt, ProfileOpt, default_pair, or_exit
+from semspec.flows.cli_probes import probes_app
 from semspec.models.names import ROLES  # a plain module: no cost at start
 
 models_app = typer.Typer(help="Inspect model pairs.", no_args_is_help=True)
@@ -24,6 +25,7 @@ GROUPS = {
     "judge": judge_app,
     "services": services_app,
     "pairs": pairs_app,
+    "probes": probes_app,
 }
 
 

@@ -3,6 +3,7 @@ the command's options in place of its budget, temperature, gamma and seed)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from semspec.models.decoding import DecodeResult
@@ -10,10 +11,18 @@ from semspec.models.names import PROBE_METHOD, ROLES
 from semspec.tasks.config import Params
 
 
-def open_decoder(params: Params, pair_name: str, method: str, probe: str, **options: Any) -> Any:
+def open_decoder(
+    params: Params,
+    pair_name: str,
+    method: str,
+    probe: str,
+    probes_dir: Path | None = None,
+    **options: Any,
+) -> Any:
     """The decoder of ``method`` on ``pair_name`` (``probe``: the registered probe variant SemanticSpec
-    loads, ``<variant>@<domain>`` for one domain's). ``options`` replace fields of the evaluation's
-    settings. The registry is checked before any model loads (a minute on a CPU); ValueError says what is
+    loads, ``<variant>@<domain>`` for one domain's; with ``probes_dir``, a folder of exported probes, that
+    variant's probes from there instead of the registry). ``options`` replace fields of the evaluation's
+    settings. The probes are checked before any model loads (a minute on a CPU); ValueError says what is
     missing."""
     from semspec.models.lm import load_lm
     from semspec.models.project import load_pair
@@ -22,12 +31,10 @@ def open_decoder(params: Params, pair_name: str, method: str, probe: str, **opti
     pair = load_pair(pair_name, None, params.split_strategy)
     settings = decoders.decode_settings(params.evaluate, **options)
     if method == PROBE_METHOD:
-        from semspec.tasks.probe_registry import registered_version
-
-        for role in ROLES:
-            registered_version(pair.name, role, probe)
+        decoders.check_probes(pair, probe, probes_dir)
     lms = {r: load_lm(pair.role(r)) for r in ([method] if method in ROLES else ROLES)}
-    return decoders.build_decoder(method, pair, lms, settings, probe)
+    pins = None  # the champions (or the folder's probes)
+    return decoders.build_decoder(method, pair, lms, settings, probe, pins, probes_dir)
 
 
 def summary_line(res: DecodeResult) -> str:

@@ -1,9 +1,11 @@
-"""Build any decoder for a pair; SemanticSpec's probes are loaded from the MLflow registry."""
+"""Build any decoder for a pair; SemanticSpec's probes are loaded from the MLflow registry, or from a folder
+of exported probes (``semspec.models.probe_card``), a path on which nothing imports MLflow."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,12 +19,12 @@ from semspec.models.decoding import (
     SpecReasonDecoder,
 )
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import FLOOR_AUTO, METHODS, split_probe_key
+from semspec.models.names import FLOOR_AUTO, METHODS, ROLES, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
+from semspec.models.probe_card import ProbeCard, check_card, load_card_probe, read_card
 from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
 from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.probe_registry import MIN_P_TAG, MIN_RATIO_TAG, load_probe, registered_floor
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ _PINNED: dict[tuple, RegisteredProbe] = {}  # pinned versions never change: read
 def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = None) -> tuple[ProbeFn, str]:
     """The registered probe of ``role`` (``version``, default the ``champion``) as a function of pooled
     hidden states, and the sha256 of its weights. A pinned version is read from the registry once."""
+    from semspec.tasks.probe_registry import load_probe
+
     fmt = lm.format.name
     key = (pair, role, variant, lm.model_id, lm.hidden_size, lm.spec.pooling, fmt, version)
     if version is None or key not in _PINNED:
@@ -87,6 +91,30 @@ def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = N
     return _PINNED[key], _PINNED[key].sha256
 
 
+def card_probe_fn(folder: Path, card: ProbeCard, role: str, variant: str, lm: LM) -> tuple[ProbeFn, str]:
+    """The exported probe of ``role`` in ``folder`` as a function of pooled hidden states, and the sha256
+    of its weights (refused unless it fits ``lm``: model id, hidden size, pooling, format)."""
+    probe, sha = load_card_probe(
+        folder, card, role, variant, lm.model_id, lm.hidden_size, pooling=lm.spec.pooling, fmt=lm.format.name
+    )
+    fn = RegisteredProbe(probe, sha)
+    return fn, fn.sha256
+
+
+def check_probes(pair: PairConfig, variant: str, probes_dir: Path | None = None) -> None:
+    """Check, before any model loads (a minute on a CPU), that SemanticSpec's probes of ``variant`` are
+    there for ``pair``: both roles' registered versions (``champion``), or with ``probes_dir`` the exported
+    folder's card (``check_card``: pair, model ids, pooling, formats, files). ValueError says what is
+    missing."""
+    if probes_dir is not None:
+        check_card(read_card(probes_dir), pair, variant)
+        return
+    from semspec.tasks.probe_registry import registered_version
+
+    for role in ROLES:
+        registered_version(pair.name, role, variant)
+
+
 def build_decoder(
     method: str,
     pair: PairConfig,
@@ -94,12 +122,16 @@ def build_decoder(
     settings: DecodeSettings,
     variant: str = "all",
     pins: dict[str, str] | None = None,
+    probes_dir: Path | None = None,
 ) -> Decoder:
     """A decoder for ``method``; ``semanticspec`` loads the pair's registered probes for ``variant``: the
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
     champions, and resolves ``min_ratio: auto`` and ``min_p: auto`` to the floors their train run chose
-    on validation (none for Random, which keeps the paper's rule). ``MethodNotApplicable`` when the method cannot run on this
-    pair (``specsampling`` across vocabularies)."""
+    on validation (none for Random, which keeps the paper's rule). With ``probes_dir`` (a local folder of
+    exported probes: ``semspec.models.probe_card.resolve_probes`` makes one of a Hub repo id) both probes
+    and the floors come from that folder and its card instead, and MLflow is not imported.
+    ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
+    vocabularies)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if method in ("target", "draft"):
@@ -110,6 +142,10 @@ def build_decoder(
         return AssistedDecoder(lms["draft"], lms["target"], settings)
     if method == "specreason":
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
+    if probes_dir is not None:
+        return _folder_decoder(pair, lms, settings, variant, Path(probes_dir), pins)
+    from semspec.tasks.probe_registry import MIN_P_TAG, MIN_RATIO_TAG, registered_floor
+
     base, _ = split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
     for name, tag in (("min_ratio", MIN_RATIO_TAG), ("min_p", MIN_P_TAG)):
@@ -122,4 +158,36 @@ def build_decoder(
             settings = replace(settings, **{name: floor})
     q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
     p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))
+    return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})
+
+
+def _folder_decoder(
+    pair: PairConfig,
+    lms: dict[str, LM],
+    settings: DecodeSettings,
+    variant: str,
+    folder: Path,
+    pins: dict[str, str] | None,
+) -> Decoder:
+    """SemanticSpec with the probes of an exported folder; ``auto`` floors from its card."""
+    if pins:
+        raise ValueError(
+            f"pins {pins} name registry versions, and probes_dir {folder} names exported probes: pass one"
+        )
+    card = read_card(folder)
+    check_card(card, pair, variant, check_format=False)  # the formats: against the loaded models below
+    base, _ = split_probe_key(variant)
+    for name in ("min_ratio", "min_p"):
+        if getattr(settings, name) == FLOOR_AUTO:
+            floor = None if base == "random" else card.floor(variant, name)
+            log.info(
+                "semanticspec-%s: %s auto -> %s (chosen on the validation questions; card in %s)",
+                variant,
+                name,
+                floor,
+                folder,
+            )
+            settings = replace(settings, **{name: floor})
+    q, q_sha = card_probe_fn(folder, card, "draft", variant, lms["draft"])
+    p, p_sha = card_probe_fn(folder, card, "target", variant, lms["target"])
     return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})

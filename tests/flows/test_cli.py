@@ -42,6 +42,8 @@ def test_every_named_command_exists():
         "serve",
         "report",
         "pairs status",
+        "probes export",
+        "probes import",
     ):
         assert required in names
 
