@@ -19,11 +19,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from semspec.api import SemanticSpec, Step
@@ -148,6 +149,19 @@ def _trace(job: Job, res: DecodeResult | None, spec_max_batch: int | None, with_
         queue_seconds=queued,
         decode_seconds=decode_s,
     )
+
+
+def bounded_requests(limit: int) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
+    """The request models with ``max_tokens`` (and ``max_completion_tokens``) capped at ``limit``."""
+    tokens = (Annotated[int, Field(ge=1, le=limit)] | None, None)
+    chat = create_model(
+        "ChatCompletionRequest",
+        __base__=ChatCompletionRequest,
+        max_tokens=tokens,
+        max_completion_tokens=tokens,
+    )
+    completion = create_model("CompletionRequest", __base__=CompletionRequest, max_tokens=tokens)
+    return chat, completion
 
 
 def _usage(res: DecodeResult) -> Usage:
@@ -351,7 +365,8 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
             if not job.future.done():  # the client went away mid-stream: its row leaves the batch
                 job.cancel()
 
-    @app.post("/v1/chat/completions", responses=error_responses)
+    chat_body, completion_body = bounded_requests(cfg.max_tokens_limit)
+
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """OpenAI's chat completions; ``method`` picks a baseline, ``semspec`` in the reply is the trace."""
         max_tokens = _check(body, body.max_completion_tokens or body.max_tokens)
@@ -362,13 +377,18 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         metrics.request("chat")
         return await _decode(http, body, messages, max_tokens, "chat")
 
-    @app.post("/v1/completions", responses=error_responses)
     async def completions(body: CompletionRequest, http: Request) -> Response:
         """OpenAI's (legacy) completions: the prompt is read as it is, with no chat template."""
         max_tokens = _check(body, body.max_tokens)
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         metrics.request("completion")
         return await _decode(http, body, RawPrompt(prompt), max_tokens, "completion")
+
+    # the request models with this server's max_tokens limit, so the OpenAPI schema states it
+    chat_completions.__annotations__["body"] = chat_body
+    completions.__annotations__["body"] = completion_body
+    app.post("/v1/chat/completions", responses=error_responses)(chat_completions)
+    app.post("/v1/completions", responses=error_responses)(completions)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

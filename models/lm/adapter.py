@@ -124,7 +124,13 @@ class LM:
             return plain_chat(messages, self.spec.plain_template)
         if self.spec.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        reply = messages[-1]["role"] == "assistant"  # a prefilled reply: continue it
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=not reply, continue_final_message=reply, tokenize=False
+            )
+        except Exception as e:  # jinja's TemplateError: the template's own rules (alternating roles, ...)
+            raise ValueError(f"{self.model_id}'s chat template refuses these messages: {e}") from None
 
     def _control_tokens(self) -> list[str]:
         """Every special or added control-token string of the tokenizer."""

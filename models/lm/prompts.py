@@ -24,8 +24,9 @@ Prompt = Union[str, RawPrompt, Sequence[Message]]  # noqa: UP007 (a runtime alia
 
 
 def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
-    """The messages as plain dicts, checked: each has a role in ``CHAT_ROLES`` and string content, there
-    is at least one, and the last is the user's (the model answers it). ValueError says what is wrong."""
+    """The messages as plain dicts, checked: at least one, each with a role in ``CHAT_ROLES`` and string
+    content. The model answers the last one; a last assistant message is continued (a prefilled reply).
+    ValueError says what is wrong."""
     if isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
     out = []
@@ -37,10 +38,6 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
         ):
             raise ValueError(f"messages[{i}] must have a role in {CHAT_ROLES} and string content, got {m!r}")
         out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] != "user":
-        raise ValueError("the last message must be the user's: the model answers it")
-    if not any(m["content"].strip() for m in out if m["role"] == "user"):
-        raise ValueError("the user's messages are empty")
     return out
 
 
@@ -55,7 +52,9 @@ def neutralize(text: str, specials: Sequence[str]) -> str:
 
 def plain_chat(messages: Sequence[Message], template: str) -> str:
     """A chat for a model without a chat template: earlier turns as ``Role: text`` paragraphs, then the
-    last user message in the pair's plain ``template``."""
+    last user message in the pair's plain ``template``; a last assistant message is continued as it is."""
     *before, last = messages
     lead = "".join(f"{m['role'].title()}: {m['content'].strip()}\n\n" for m in before)
+    if last["role"] == "assistant":
+        return lead + f"Assistant: {last['content']}"
     return lead + template.format(question=last["content"].strip())
