@@ -138,3 +138,51 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ChatChoice(BaseModel):
+    """A chat completion's one choice."""
+
+    index: int
+    message: dict[str, str]
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    semspec: Trace
+
+
+class CompletionChoice(BaseModel):
+    """A completion's one choice."""
+
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    semspec: Trace
+
+
+def ok_responses(model: type[BaseModel]) -> dict[int | str, dict]:
+    """The 200 of an endpoint that answers ``model`` as JSON, or server-sent events with ``stream``."""
+    # each event carries a chunk object, the last one "[DONE]": no one JSON schema covers both
+    events = {"schema": {"description": "server-sent events: data: <chunk JSON> per step, then data: [DONE]"}}
+    return {200: {"model": model, "content": {"text/event-stream": events}}}

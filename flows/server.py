@@ -31,7 +31,9 @@ from semspec.api import SemanticSpec, Step
 from semspec.engine import Engine, Overloaded, Stopped
 from semspec.engine import Request as Job
 from semspec.flows.openai_schema import (
+    ChatCompletion,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
     ErrorResponse,
     ModelCard,
@@ -39,6 +41,7 @@ from semspec.flows.openai_schema import (
     StepOut,
     Trace,
     Usage,
+    ok_responses,
 )
 from semspec.flows.serve_metrics import ServeMetrics
 from semspec.models.decoding import DecodeResult
@@ -387,8 +390,10 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     # the request models with this server's max_tokens limit, so the OpenAPI schema states it
     chat_completions.__annotations__["body"] = chat_body
     completions.__annotations__["body"] = completion_body
-    app.post("/v1/chat/completions", responses=error_responses)(chat_completions)
-    app.post("/v1/completions", responses=error_responses)(completions)
+    app.post("/v1/chat/completions", responses={**ok_responses(ChatCompletion), **error_responses})(
+        chat_completions
+    )
+    app.post("/v1/completions", responses={**ok_responses(Completion), **error_responses})(completions)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -23,7 +23,7 @@ def wheel_venv(tmp_path_factory) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for pkg in ("models", "tasks", "flows"):
+    for pkg in ("semspec", "models", "tasks", "flows"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, src],
@@ -53,10 +53,15 @@ def _run(py: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_the_wheel_installs_the_semspec_namespace_only(wheel_venv, tmp_path):
     ok = _run(
-        wheel_venv, "import semspec.models.lm, semspec.flows.cli; print(semspec.models.lm.__file__)", tmp_path
+        wheel_venv,
+        "import semspec, semspec.models.lm, semspec.flows.cli; print(semspec.models.lm.__file__); "
+        "print(semspec.load.__module__, semspec.__file__)",
+        tmp_path,
     )
     assert ok.returncode == 0, ok.stderr
     assert "site-packages/semspec/models/lm/__init__.py" in ok.stdout
+    api_module, package_file = ok.stdout.splitlines()[1].split(" ")
+    assert api_module == "semspec.api" and package_file.endswith("site-packages/semspec/__init__.py")
     for generic in ("models", "tasks", "flows"):
         res = _run(wheel_venv, f"import {generic}", tmp_path)
         assert res.returncode != 0 and "No module named" in res.stderr, f"`import {generic}` worked"

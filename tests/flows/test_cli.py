@@ -40,6 +40,7 @@ def test_every_named_command_exists():
         "services down",
         "services status",
         "serve",
+        "deployments serve",
         "report",
         "pairs status",
         "probes export",

@@ -1,0 +1,67 @@
+"""``semspec serve --replicas N``: the same FastAPI app as ``semspec serve``, as N Ray Serve replicas.
+
+Each replica loads the pair once and runs its own engine (continuous batching inside the replica); Ray
+Serve's proxy spreads requests over the replicas, on this machine or, with ``RAY_ADDRESS``, a cluster.
+There is no second implementation: a replica mounts ``create_app``'s app under Serve's ingress.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from ray import serve
+
+from semspec.flows.server import ServeConfig, create_app
+
+log = logging.getLogger(__name__)
+ingress = FastAPI(title="semspec")
+
+
+@serve.deployment(name="semspec", max_ongoing_requests=256)
+@serve.ingress(ingress)
+class SemspecReplica:
+    """One replica: the pair loaded once, the server's app mounted at the root."""
+
+    def __init__(self, pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig) -> None:
+        from semspec.api import load
+
+        spec = load(pair, probes=probes, probe=probe)
+        app = create_app(spec, cfg)
+        app.state.engine.start()  # a mounted app's lifespan does not run
+        ingress.mount("/", app)
+        self.engine = app.state.engine
+
+    def __del__(self) -> None:
+        self.engine.stop()
+
+
+def application(pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig, replicas: int):
+    """The Serve application of ``replicas`` replicas (each asks for one CPU)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    return SemspecReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": 1}).bind(
+        pair, probes, probe, cfg
+    )
+
+
+def serve_replicas(
+    pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig, replicas: int
+) -> None:
+    """Start Ray (in-process, or ``RAY_ADDRESS``'s cluster), Serve's proxy on ``cfg.host:cfg.port`` and the
+    replicas; block until interrupted, then shut Serve down."""
+    import time
+
+    from semspec.tasks.ray_utils import init_ray
+
+    init_ray()
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(application(pair, probes, probe, cfg, replicas), route_prefix="/")
+    log.info("serving %d replicas on http://%s:%d/v1", replicas, cfg.host, cfg.port)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()

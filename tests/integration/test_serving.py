@@ -1,0 +1,161 @@
+"""The API and the server on the real embedded pair: ``import semspec`` from outside the checkout with
+exported probes and no MLflow, the openai client against the server (streaming and not), and
+schemathesis generating requests from the server's OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from openai import OpenAI
+
+from semspec.models.decoding import DecodeSettings
+from semspec.models.probe import ProbeMLP, save_probe, sha256_of
+from semspec.models.probe_card import CARD_VERSION, CardProbe, ProbeCard, probe_folder_name, write_card
+from tests.helpers.serving import running_server
+
+pytestmark = pytest.mark.embedded
+ROOT = Path(__file__).resolve().parents[2]
+Q = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+
+
+@pytest.fixture(scope="module")
+def probes_dir(tmp_path_factory, embedded_pair, draft_lm, target_lm) -> Path:
+    """An exported folder of untrained ``all`` probes for the embedded pair (what matters here is that
+    they load, fit the models and decide steps, not how well)."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("probes")
+    entries = {}
+    for role, lm in (("draft", draft_lm), ("target", target_lm)):
+        torch.manual_seed(len(role))
+        sub = probe_folder_name(role, "all")
+        sha = save_probe(ProbeMLP(lm.hidden_size, [16], feature="all"), folder / sub)
+        entries[role] = CardProbe(
+            path=sub,
+            model_id=lm.model_id,
+            model_sha256=None,
+            format=lm.format.name,
+            feature="h_mean",
+            hidden_size=lm.hidden_size,
+            pooling=embedded_pair.pooling,
+            sha256=sha,
+            config_sha256=sha256_of(folder / sub / "probe.json"),
+            registry={"name": None, "version": None, "run_id": None},
+            metrics={},
+            routing={},
+            floors={"min_ratio": None, "min_p": None},
+            data_hash=None,
+        )
+    write_card(ProbeCard(CARD_VERSION, embedded_pair.name, {"all": entries}), folder)
+    return folder
+
+
+def test_the_api_works_from_outside_the_checkout_with_exported_probes_and_no_mlflow(tmp_path, probes_dir):
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import semspec
+        try:
+            semspec.load("embedded", probes={str(probes_dir)!r}, probe="mix")
+        except ValueError as e:
+            refused = str(e)
+        spec = semspec.load("embedded", probes={str(probes_dir)!r})
+        out = spec.generate({Q!r}, max_new_tokens=32)
+        streamed = list(spec.stream({Q!r}, max_new_tokens=32))
+        many = spec.generate([{Q!r}, "What is 6 times 7?"], max_new_tokens=16)
+        print(json.dumps({{
+            "module": semspec.__file__, "text": out.text, "refused": refused,
+            "steps": [s.to_dict() for s in out.steps], "streamed": [s.to_dict() for s in streamed],
+            "many": [m.text for m in many], "first_alone": spec.generate({Q!r}, max_new_tokens=16).text,
+            "mlflow": "mlflow" in sys.modules,
+        }}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "SEMSPEC_PROJECT"))}
+    env |= {"SEMSPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["module"]).parent.parent == ROOT  # the installed package, run from elsewhere
+    assert "no probes of variant 'mix'" in out["refused"]
+    assert out["text"] and out["text"] == "".join(s["text"] for s in out["steps"])
+    assert out["streamed"] == out["steps"]
+    assert any(s["author"] == "draft" for s in out["steps"]) or any(
+        s["accepted"] is False for s in out["steps"]
+    )
+    assert all(s["p"] is not None and s["q"] is not None for s in out["steps"] if s["accepted"] is not None)
+    assert out["many"][0] == out["first_alone"]  # a prompt decodes alike alone and in a batch
+    assert not out["mlflow"]
+    assert not (tmp_path / "home" / "mlruns.db").exists() and not (tmp_path / "mlruns.db").exists()
+
+
+def test_load_refuses_bad_input_before_any_model_loads(probes_dir):
+    import semspec
+
+    with pytest.raises(ValueError, match="unknown model pair"):
+        semspec.load("no-such-pair")
+    with pytest.raises(ValueError, match="variant"):
+        semspec.load("embedded", probes=probes_dir, probe="bogus")
+    with pytest.raises(ValueError, match=r"does not exist|not a folder|repo id"):
+        semspec.load("embedded", probes="/nonexistent/folder")
+
+
+@pytest.fixture(scope="module")
+def served(embedded_pair, draft_lm, target_lm, probes_dir):
+    from semspec.api import SemanticSpec
+
+    spec = SemanticSpec(
+        embedded_pair,
+        {"draft": draft_lm, "target": target_lm},
+        DecodeSettings(max_new_tokens=24),
+        "all",
+        probes_dir,
+        4,
+    )
+    with running_server(spec, max_tokens_limit=24) as (base, _app):
+        yield base, spec
+
+
+def test_the_openai_client_against_the_embedded_pair(served):
+    base, spec = served
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": Q}]
+    out = client.chat.completions.create(model="embedded", messages=messages, max_tokens=24)
+    alone = spec.generate(messages, max_new_tokens=24)
+    assert out.choices[0].message.content == alone.text
+    assert [s["author"] for s in out.model_extra["semspec"]["steps"]] == [s.author for s in alone.steps]
+    stream = client.chat.completions.create(model="embedded", messages=messages, max_tokens=24, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == alone.text
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "examples"),
+    [
+        ("/v1/chat/completions", "POST", 16),
+        ("/v1/completions", "POST", 10),
+        ("/v1/models", "GET", 2),
+        ("/health", "GET", 2),
+    ],
+)
+def test_schemathesis_finds_no_server_error(served, path, method, examples):
+    """Requests generated from the OpenAPI schema, valid and not: no 5xx, every response as documented
+    (schemathesis's checks: status codes, content types, response schemas)."""
+    base, _ = served
+    operation = schemathesis.openapi.from_url(f"{base}/openapi.json")[path][method]
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(case=operation.as_strategy())
+    def check(case):
+        case.call_and_validate(timeout=300)
+
+    check()
