@@ -2,7 +2,7 @@
 
 Each replica loads the pair once and runs its own engine (continuous batching inside the replica); Ray
 Serve's proxy spreads requests over the replicas, on this machine or, with ``RAY_ADDRESS``, a cluster.
-There is no second implementation: a replica mounts ``create_app``'s app under Serve's ingress.
+There is no second implementation: each replica serves ``create_app``'s app through Serve's ingress.
 """
 
 from __future__ import annotations
@@ -15,25 +15,23 @@ from ray import serve
 from semspec.flows.server import ServeConfig, create_app
 
 log = logging.getLogger(__name__)
-ingress = FastAPI(title="semspec")
 
 
 @serve.deployment(name="semspec", max_ongoing_requests=256)
-@serve.ingress(ingress)
+@serve.ingress()
 class SemspecReplica:
-    """One replica: the pair loaded once, the server's app mounted at the root."""
+    """One replica: the pair loaded once; Serve asks it for its app (``create_app``'s) after the
+    constructor."""
 
     def __init__(self, pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig) -> None:
         from semspec.api import load
 
-        spec = load(pair, probes=probes, probe=probe)
-        app = create_app(spec, cfg)
-        app.state.engine.start()  # a mounted app's lifespan does not run
-        ingress.mount("/", app)
-        self.engine = app.state.engine
+        self.spec, self.cfg = load(pair, probes=probes, probe=probe), cfg
 
-    def __del__(self) -> None:
-        self.engine.stop()
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = create_app(self.spec, self.cfg)
+        app.state.engine.start()  # idempotent: the app's lifespan starts it too where Serve runs it
+        return app
 
 
 def application(pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig, replicas: int):

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -19,7 +20,10 @@ from semspec.models.decoding import (
     SemanticSpecDecoder,
     SingleModelDecoder,
 )
+from semspec.models.lm import LM
 from semspec.models.pair import PairConfig
+from semspec.models.probe import ProbeMLP, save_probe, sha256_of
+from semspec.models.probe_card import CARD_VERSION, CardProbe, ProbeCard, probe_folder_name, write_card
 from tests.helpers.project import free_port
 from tests.helpers.tiny import tiny_lm
 
@@ -89,3 +93,34 @@ def running_server(spec: SemanticSpec, **cfg) -> Iterator[tuple[str, object]]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def write_untrained_probes(folder: Path, pair: PairConfig, draft: LM, target: LM) -> Path:
+    """An exported folder (``semspec probes export``'s layout and card) of untrained ``all`` probes for
+    ``pair``'s two models: what matters to its users is that they load, fit the models and decide steps,
+    not how well."""
+    import torch
+
+    entries = {}
+    for role, lm in (("draft", draft), ("target", target)):
+        torch.manual_seed(len(role))
+        sub = probe_folder_name(role, "all")
+        sha = save_probe(ProbeMLP(lm.hidden_size, [16], feature="all"), folder / sub)
+        entries[role] = CardProbe(
+            path=sub,
+            model_id=lm.model_id,
+            model_sha256=None,
+            format=lm.format.name,
+            feature="h_mean",
+            hidden_size=lm.hidden_size,
+            pooling=pair.pooling,
+            sha256=sha,
+            config_sha256=sha256_of(folder / sub / "probe.json"),
+            registry={"name": None, "version": None, "run_id": None},
+            metrics={},
+            routing={},
+            floors={"min_ratio": None, "min_p": None},
+            data_hash=None,
+        )
+    write_card(ProbeCard(CARD_VERSION, pair.name, {"all": entries}), folder)
+    return folder

@@ -4,11 +4,13 @@ schemathesis generating requests from the server's OpenAPI schema."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from openai import OpenAI
 
 from semspec.models.decoding import DecodeSettings
-from semspec.models.probe import ProbeMLP, save_probe, sha256_of
-from semspec.models.probe_card import CARD_VERSION, CardProbe, ProbeCard, probe_folder_name, write_card
-from tests.helpers.serving import running_server
+from tests.helpers.serving import running_server, write_untrained_probes
 
 pytestmark = pytest.mark.embedded
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,34 +28,8 @@ Q = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 
 @pytest.fixture(scope="module")
 def probes_dir(tmp_path_factory, embedded_pair, draft_lm, target_lm) -> Path:
-    """An exported folder of untrained ``all`` probes for the embedded pair (what matters here is that
-    they load, fit the models and decide steps, not how well)."""
-    import torch
-
-    folder = tmp_path_factory.mktemp("probes")
-    entries = {}
-    for role, lm in (("draft", draft_lm), ("target", target_lm)):
-        torch.manual_seed(len(role))
-        sub = probe_folder_name(role, "all")
-        sha = save_probe(ProbeMLP(lm.hidden_size, [16], feature="all"), folder / sub)
-        entries[role] = CardProbe(
-            path=sub,
-            model_id=lm.model_id,
-            model_sha256=None,
-            format=lm.format.name,
-            feature="h_mean",
-            hidden_size=lm.hidden_size,
-            pooling=embedded_pair.pooling,
-            sha256=sha,
-            config_sha256=sha256_of(folder / sub / "probe.json"),
-            registry={"name": None, "version": None, "run_id": None},
-            metrics={},
-            routing={},
-            floors={"min_ratio": None, "min_p": None},
-            data_hash=None,
-        )
-    write_card(ProbeCard(CARD_VERSION, embedded_pair.name, {"all": entries}), folder)
-    return folder
+    """An exported folder of untrained ``all`` probes for the embedded pair."""
+    return write_untrained_probes(tmp_path_factory.mktemp("probes"), embedded_pair, draft_lm, target_lm)
 
 
 def test_the_api_works_from_outside_the_checkout_with_exported_probes_and_no_mlflow(tmp_path, probes_dir):
@@ -159,3 +133,49 @@ def test_schemathesis_finds_no_server_error(served, path, method, examples):
         case.call_and_validate(timeout=300)
 
     check()
+
+
+@pytest.mark.timeout(900)
+def test_the_same_app_runs_as_a_ray_serve_replica(tmp_path, probes_dir):
+    """`semspec serve --replicas 1`: Ray Serve's proxy in front of one replica of the embedded pair."""
+    import signal
+
+    import httpx
+
+    from tests.helpers.project import free_port
+
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    cmd = [
+        str(Path(sys.executable).parent / "semspec"),
+        "serve",
+        "--pair",
+        "embedded",
+        "--probes",
+        str(probes_dir),
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--replicas", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+    )
+    try:
+        base, deadline = f"http://127.0.0.1:{port}", time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(2)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        body = {"messages": [{"role": "user", "content": Q}], "max_tokens": 16}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["semspec"]["method"] == "semanticspec" and r.json()["choices"][0]["message"]["content"]
+        )
+        bad = httpx.post(f"{base}/v1/chat/completions", json={"messages": []}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
