@@ -91,8 +91,9 @@ class Trace(BaseModel):
     """The ``semspec`` extension field: how the answer was decoded."""
 
     method: str  # what the request asked for
-    ran_as: str  # what decoded it (the target where speculation was off under load)
-    speculation: bool
+    ran_as: str  # what decoded it (the target where speculation was off in every round)
+    speculation: bool  # speculated in every round (never switched off under load)
+    rounds_without_speculation: int = 0  # rounds in which the target wrote its step alone under load
     spec_max_batch: int | None
     steps: list[StepOut] = Field(default_factory=list)
     target_share: float | None = None

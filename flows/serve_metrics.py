@@ -48,8 +48,8 @@ class ServeMetrics:
             "semspec_draft_steps", "SemanticSpec's draft proposals, by outcome.", ["outcome"], registry=r
         )
         self.spec_off = Counter(
-            "semspec_speculation_off",
-            "SemanticSpec requests decoded by the target alone under load.",
+            "semspec_speculation_off_rounds",
+            "Rounds in which a SemanticSpec request's step was written by the target alone (the batch was full).",
             registry=r,
         )
         self.latency = Histogram(
@@ -101,8 +101,7 @@ class ServeMetrics:
         self.finished.labels(method, "ok").inc()
         self.tokens.labels(method).inc(res.output_tokens)
         self.target_tokens.labels(method).inc(res.target_tokens)
-        if req.method == "semanticspec" and not req.speculation:
-            self.spec_off.inc()
+        self.spec_off.inc(req.solo_rounds)
         for step in res.steps:
             if step.author == "draft":
                 self.steps.labels("accepted").inc()

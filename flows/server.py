@@ -145,6 +145,7 @@ def _trace(job: Job, res: DecodeResult | None, spec_max_batch: int | None, with_
         method=job.method,
         ran_as=job.ran_as,
         speculation=job.speculation,
+        rounds_without_speculation=job.solo_rounds,
         spec_max_batch=spec_max_batch,
         steps=steps,
         target_share=res.target_share if res else None,

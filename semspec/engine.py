@@ -5,10 +5,11 @@ Requests are grouped in *lanes*, one per (method, temperature, top_p): rows of a
 call (``BatchDecoder.admit`` and ``step``), and the lanes take turns round by round. A row's budget and
 seed are its own, so requests with different ``max_tokens`` or seeds share a lane.
 
-Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: a
-SemanticSpec request that arrives while more than ``spec_max_batch`` requests are in flight is decoded by
-the target alone. A full batch is compute-bound, and the target's verification then costs more than the
-draft saves; which batch size that is depends on the CPU (``semspec.serving_threshold``).
+Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: while
+SemanticSpec's lane holds more than ``spec_max_batch`` rows, the target writes every row's next step
+alone, in one batched decode (the drafts read those steps when speculation resumes). A full batch is
+compute-bound, and the target's verification then costs more than the draft saves; which batch size
+that is depends on the CPU (``conf/serving.yaml``, ``semspec.flows.server.auto_spec_max_batch``).
 """
 
 from __future__ import annotations
@@ -56,14 +57,24 @@ class Request:
     future: Future = field(default_factory=Future)  # the DecodeResult
     admitted: Future = field(default_factory=Future)  # True once its row is in the batch (prompt read)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    speculation: bool = True  # False: decoded by the target alone because the batch was full
+    spec_rounds: int = 0  # rounds in which it speculated (SemanticSpec)
+    solo_rounds: int = 0  # rounds in which the target wrote its step alone because the batch was full
     submitted: float = 0.0
     started: float | None = None  # when its row joined a batch (queue wait = started - submitted)
 
     @property
+    def speculation(self) -> bool:
+        """Whether it speculated in every round (never switched off under load)."""
+        return self.solo_rounds == 0
+
+    @property
     def ran_as(self) -> str:
-        """The method that decodes it (the target where speculation was switched off)."""
-        return self.method if self.speculation or self.method != PROBE_METHOD else "target"
+        """The method that decoded it: the target where speculation was off in every round."""
+        return (
+            "target"
+            if self.method == PROBE_METHOD and self.solo_rounds and not self.spec_rounds
+            else self.method
+        )
 
     def cancel(self) -> None:
         """Drop the request: its row leaves the batch at the next round (a client that went away)."""
@@ -167,21 +178,18 @@ class Engine:
                 self._round(key)
 
     def _take(self) -> list[Request]:
-        """Pending requests that fit in the batch, in order; cancelled ones are dropped. Decides each
-        SemanticSpec request's speculation from how many are in flight with it."""
+        """Pending requests that fit in the batch, in order; cancelled ones are dropped."""
         taken, room = [], self.max_batch - self.running
         while self._pending and len(taken) < room:
             req = self._pending.popleft()
             if req.cancelled.is_set():
                 self._fail(req, Stopped("cancelled"))
                 continue
-            in_flight = self.running + len(taken) + 1 + len(self._pending)
-            req.speculation = self.spec_max_batch is None or in_flight <= self.spec_max_batch
             taken.append(req)
         return taken
 
     def _lane(self, req: Request) -> tuple[LaneKey, _Lane]:
-        key = (req.ran_as, float(req.temperature), float(req.top_p))
+        key = (req.method, float(req.temperature), float(req.top_p))
         if key not in self._lanes:
             self._lanes[key] = _Lane(self.decoders(*key))
         return key, self._lanes[key]
@@ -235,6 +243,7 @@ class Engine:
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
         if not lane.rows:
             return
+        speculating = self._speculate(lane)
         try:
             done = lane.decoder.step(lane.rows)
         except Exception as e:  # the lane's rows fail; the engine keeps serving
@@ -244,6 +253,11 @@ class Engine:
             lane.rows = []
             return
         self.rounds += 1
+        for row in lane.rows:
+            req = lane.requests[row.index]
+            if speculating is not None:
+                req.spec_rounds += speculating
+                req.solo_rounds += not speculating
         finished = {r.index for r in done}
         lane.rows = [r for r in lane.rows if r.index not in finished]
         for row in done:
@@ -251,6 +265,14 @@ class Engine:
             if self.on_done is not None:
                 self.on_done(req, row.res, None)
             req.future.set_result(row.res)
+
+    def _speculate(self, lane: _Lane) -> bool | None:
+        """Switch the lane's speculation on or off for this round by its size (None: not a speculating
+        decoder)."""
+        if not hasattr(lane.decoder, "speculate"):
+            return None
+        lane.decoder.speculate = self.spec_max_batch is None or len(lane.rows) <= self.spec_max_batch
+        return lane.decoder.speculate
 
     def _fail(self, req: Request, error: BaseException) -> None:
         if not req.admitted.done():

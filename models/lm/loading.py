@@ -37,6 +37,13 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _placement(spec: ModelSpec) -> dict:
+    """``from_pretrained`` keywords that load the weights straight onto the spec's device (no full copy
+    in CPU memory first); none for the CPU, the default."""
+    device = pick_device(spec.device)
+    return {} if device.type == "cpu" else {"device_map": str(device)}
+
+
 class _NotShardedNoise(logging.Filter):
     """transformers 5 checks a model's tensor-parallel plan at every load and warns that its layers "were
     not sharded", although nothing here shards a model: that line is dropped, every other one kept."""
@@ -83,7 +90,7 @@ def _load_converted(folder: Path, key: dict, spec: ModelSpec, dtype: torch.dtype
             raise ValueError("it was made from another file")
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, trust_remote_code=spec.trust_remote_code
+            folder, dtype=dtype, trust_remote_code=spec.trust_remote_code, **_placement(spec)
         )
     except (ValueError, RuntimeError, OSError, KeyError, SafetensorError) as e:
         log.warning(
@@ -144,7 +151,7 @@ def load_lm(spec: ModelSpec) -> LM:
         if converted:
             _save_converted(*converted, *loaded)
     tokenizer, model = loaded
-    model.to(pick_device(spec.device))
+    model.to(pick_device(spec.device))  # a no-op where from_pretrained placed it already
     if fmt.quantized:
         tq = time.perf_counter()
         n = quantize_model(model, fmt)
@@ -173,7 +180,7 @@ def _load_pretrained(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple:
         # warn that packed weights would run in float32 (they are not kept packed for these architectures,
         # nor without `kernels`); the int formats quantize them again afterwards (``quantize_model``)
         extra = {"quantization_config": GgufConfig(dequantize=True)} if spec.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw, **extra)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw, **extra, **_placement(spec))
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
         if not spec.gguf_file:
             raise

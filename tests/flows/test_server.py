@@ -209,16 +209,16 @@ def test_concurrent_requests_share_rounds_and_speculation_stops_above_the_thresh
                 pool.map(lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60), range(6))
             )
         watch.join()
+        metrics = httpx.get(f"{base}/metrics").text.splitlines()
+    (off_rounds,) = [line for line in metrics if line.startswith("semspec_speculation_off_rounds_total ")]
+    assert float(off_rounds.split()[1]) > 0
     traces = [r.json()["semspec"] for r in outs]
     assert max(seen) > 1  # rows decoded together
-    assert any(not t["speculation"] and t["ran_as"] == "target" for t in traces)
-    assert all(t["speculation"] == (t["ran_as"] == "semanticspec") for t in traces)
-    alone = spec.generate(CHAT, method="target", max_new_tokens=24)
-    assert all(
-        r.json()["choices"][0]["message"]["content"] == alone.text
-        for r, t in zip(outs, traces, strict=True)
-        if not t["speculation"]
-    )
+    off = [t for t in traces if not t["speculation"]]
+    assert off and all(t["rounds_without_speculation"] > 0 for t in off)
+    for t in off:  # the target wrote a step alone, with nothing proposed, in the rounds speculation was off
+        assert any(s["author"] == "target" and s["accepted"] is None for s in t["steps"])
+    assert all(t["rounds_without_speculation"] == 0 for t in traces if t["speculation"])
 
 
 def test_bounded_load_nothing_is_lost():
