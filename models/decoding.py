@@ -430,6 +430,32 @@ class BatchDecoder:
         return done
 
 
+def write_alone(lm: LM, role: str, rows: list[_Row], s: DecodeSettings) -> list[list[StepSample]]:
+    """``lm`` (playing ``role``) writes every row's next step, all in one batched decode loop; rows done
+    before the slowest write up to ``lookahead`` more (the steps they would write in the next rounds).
+    Returns each row's new steps, already added to its result."""
+
+    def more(b: int, done: list[StepSample]) -> int | None:
+        used = rows[b].used(done)
+        if len(done) > s.lookahead or used >= rows[b].budget:
+            return None
+        return rows[b].step_budget(s, lm, used)
+
+    starts = [StepStart(r.state(role), r.step_budget(s, lm), r.seed) for r in rows]
+    with _Clock(_timings(rows), role):
+        outs = lm.decode_runs(starts, s.temperature, s.top_p, 1, more)
+    for row, (steps, state) in zip(rows, outs, strict=True):
+        row.set_state(role, state)
+        row.seed += len(steps)
+        for step in steps:
+            k = step.num_tokens
+            row.res.add(StepRecord(role, step.text, k * (role == "draft"), k * (role == "target")))
+            row.res.output_tokens += k
+            if step.finish_reason == "eos":
+                row.res.finish_reason = "eos"
+    return [steps for steps, _ in outs]
+
+
 class SingleModelDecoder(BatchDecoder):
     """``target`` or ``draft``: one model writes every step."""
 
@@ -449,30 +475,8 @@ class SingleModelDecoder(BatchDecoder):
         return self.model
 
     def _advance(self, rows: list[_Row]) -> None:
-        """Every row writes its next step, all in one batched decode loop; rows done before the slowest
-        write up to ``lookahead`` more (the steps they would write in the next rounds)."""
-        s = self.settings
-
-        def more(b: int, done: list[StepSample]) -> int | None:
-            used = rows[b].used(done)
-            if len(done) > s.lookahead or used >= rows[b].budget:
-                return None
-            return rows[b].step_budget(s, self.model, used)
-
-        starts = [StepStart(r.state(self.role), r.step_budget(s, self.model), r.seed) for r in rows]
-        with _Clock(_timings(rows), self.role):
-            outs = self.model.decode_runs(starts, s.temperature, s.top_p, 1, more)
-        for row, (steps, state) in zip(rows, outs, strict=True):
-            row.set_state(self.role, state)
-            row.seed += len(steps)
-            for step in steps:
-                k = step.num_tokens
-                row.res.add(
-                    StepRecord(self.role, step.text, k * (self.role == "draft"), k * (self.role == "target"))
-                )
-                row.res.output_tokens += k
-                if step.finish_reason == "eos":
-                    row.res.finish_reason = "eos"
+        """Every row writes its next step (``write_alone``)."""
+        write_alone(self.model, self.role, rows, self.settings)
 
 
 @dataclass
@@ -677,16 +681,30 @@ class SemanticSpecDecoder(_DraftTarget):
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
+    def _advance(self, rows: list[_Row]) -> None:
+        """One round; while ``speculate`` is off, the target writes every row's next steps alone as
+        ``SingleModelDecoder`` does (one batched decode loop, with lookahead), after any queued rewrites,
+        and the drafts read them when speculation resumes."""
+        if self.speculate:
+            super()._advance(rows)
+            return
+        queued = [r for r in rows if r.queued is not None]
+        if queued:
+            self._rewrite([r.queued for r in queued])
+            for r in queued:
+                r.queued, r.waited = None, 0
+        going = [r for r in rows if not r.finished(self.settings)]
+        for row, steps in zip(going, write_alone(self.target, "target", going, self.settings), strict=True):
+            row.draft_behind += [step.text for step in steps if step.text]
+
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round (``_verify_round``) for the rows whose answers still have rejections to spend; the
-        others (``max_rejections`` spent), and every row while ``speculate`` is off, are handed to the
-        target, which writes their next step alone."""
+        others (``max_rejections`` spent) are handed to the target, which writes their next step alone."""
         s = self.settings
-        if self.speculate and s.max_rejections is None:
+        if s.max_rejections is None:
             return self._verify_round(self._caught_up(rows))
-        spent = s.max_rejections is not None
-        handed = [r for r in rows if not self.speculate or (spent and r.res.rejections >= s.max_rejections)]
-        going = [r for r in rows if all(r is not h for h in handed)]
+        handed = [r for r in rows if r.res.rejections >= s.max_rejections]
+        going = [r for r in rows if r.res.rejections < s.max_rejections]
         writes = []
         for row in handed:
             start = StepStart(row.target, row.step_budget(s, self.target), row.seed)
