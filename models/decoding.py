@@ -286,8 +286,8 @@ class _Row:
     waited: int = 0  # rounds it has waited
     # the target's scores of the round's next proposals, from one prefill (``_score_ahead``, gamma > 1)
     scored: list[StepScore] = field(default_factory=list)
-    # steps the target wrote alone that the draft has not read yet (it reads them before it proposes again)
-    draft_behind: list[str] = field(default_factory=list)
+    # the target writes the rest of this answer alone: it ran a round without speculation (a full batch)
+    solo: bool = False
 
     def state(self, role: str) -> LMState:
         """The state of the model playing ``role``."""
@@ -582,8 +582,7 @@ class _DraftTarget(BatchDecoder):
         """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
         rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
         round's accepted steps and reads the target's step (batched too). A row handed over to the target
-        (no proposal, no checkpoint) only gets the target's step: its draft reads it only if the row
-        speculates again (``draft_behind``)."""
+        (no proposal, no checkpoint) only gets the target's step: its draft reads no more."""
         if not items:
             return
         s, rows = self.settings, [it.row for it in items]
@@ -600,8 +599,6 @@ class _DraftTarget(BatchDecoder):
         for it, (step, tstate), k in zip(items, written, draft_tokens, strict=True):
             row = it.row
             row.target = tstate
-            if it.d_restore is None and step.text:
-                row.draft_behind.append(step.text)
             salvaged = min(it.salvaged, step.num_tokens)
             record = StepRecord(
                 "target",
@@ -668,8 +665,8 @@ class SemanticSpecDecoder(_DraftTarget):
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe
         self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
-        # False: the target writes every row's next step alone, as vLLM's speculation disabled by batch
-        # size (a server sets it per round from its load); the drafts catch up when it is True again
+        # False: the target writes every row's next steps alone, as vLLM's speculation disabled by batch
+        # size (a server sets it per round from its load); such a row finishes its answer that way
         self.speculate = True
 
     @property
@@ -682,10 +679,12 @@ class SemanticSpecDecoder(_DraftTarget):
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
     def _advance(self, rows: list[_Row]) -> None:
-        """One round; while ``speculate`` is off, the target writes every row's next steps alone as
+        """One round. While ``speculate`` is off, the target writes every row's next steps alone as
         ``SingleModelDecoder`` does (one batched decode loop, with lookahead), after any queued rewrites,
-        and the drafts read them when speculation resumes."""
-        if self.speculate:
+        and each of those rows finishes its answer that way (``solo``): its draft would otherwise have to
+        read every step it missed before proposing again, a prefill that costs more than it saves near
+        the end of an answer."""
+        if self.speculate and not all(r.solo for r in rows):
             super()._advance(rows)
             return
         queued = [r for r in rows if r.queued is not None]
@@ -694,35 +693,26 @@ class SemanticSpecDecoder(_DraftTarget):
             for r in queued:
                 r.queued, r.waited = None, 0
         going = [r for r in rows if not r.finished(self.settings)]
-        for row, steps in zip(going, write_alone(self.target, "target", going, self.settings), strict=True):
-            row.draft_behind += [step.text for step in steps if step.text]
+        for row in going:
+            row.solo = True
+        write_alone(self.target, "target", going, self.settings)
 
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round (``_verify_round``) for the rows whose answers still have rejections to spend; the
-        others (``max_rejections`` spent) are handed to the target, which writes their next step alone."""
+        others (``max_rejections`` spent, or ``solo``) are handed to the target, which writes their next
+        step alone."""
         s = self.settings
-        if s.max_rejections is None:
-            return self._verify_round(self._caught_up(rows))
-        handed = [r for r in rows if r.res.rejections >= s.max_rejections]
-        going = [r for r in rows if r.res.rejections < s.max_rejections]
+        spent = s.max_rejections is not None
+        handed = [r for r in rows if r.solo or (spent and r.res.rejections >= s.max_rejections)]
+        if not handed:
+            return self._verify_round(rows)
+        going = [r for r in rows if all(r is not h for h in handed)]
         writes = []
         for row in handed:
             start = StepStart(row.target, row.step_budget(s, self.target), row.seed)
             writes.append(_Rewrite(row, start, None, [], None, {}))
             row.seed += 1
-        return writes + (self._verify_round(self._caught_up(going)) if going else [])
-
-    def _caught_up(self, rows: list[_Row]) -> list[_Row]:
-        """``rows``, each draft having read the steps the target wrote alone since it last proposed (one
-        batched prefill)."""
-        behind = [r for r in rows if r.draft_behind]
-        if behind:
-            with _Clock(_timings(behind), "draft"):
-                states = [r.draft for r in behind]
-                self._draft_reads(states, ["".join(r.draft_behind) for r in behind])
-            for row, state in zip(behind, states, strict=True):
-                row.draft, row.draft_behind = state, []
-        return rows
+        return writes + (self._verify_round(going) if going else [])
 
     def _verify_round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
