@@ -286,8 +286,6 @@ class _Row:
     waited: int = 0  # rounds it has waited
     # the target's scores of the round's next proposals, from one prefill (``_score_ahead``, gamma > 1)
     scored: list[StepScore] = field(default_factory=list)
-    # the target writes the rest of this answer alone: it ran a round without speculation (a full batch)
-    solo: bool = False
 
     def state(self, role: str) -> LMState:
         """The state of the model playing ``role``."""
@@ -412,9 +410,8 @@ class BatchDecoder:
                 states = lm.prefill_many([lm.format_prompt(job.prompt) for job in jobs])
             for row, state in zip(rows, states, strict=True):
                 row.set_state(role, state)
-                row.res.extra["prompt_tokens"] = len(
-                    state.ids
-                )  # the last role's: the target's where there is one
+                # the last role's count: the target's where there is one
+                row.res.extra["prompt_tokens"] = len(state.ids)
         _share(rows, time.perf_counter() - t0)
         return rows
 
@@ -665,9 +662,6 @@ class SemanticSpecDecoder(_DraftTarget):
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe
         self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
-        # False: the target writes every row's next steps alone, as vLLM's speculation disabled by batch
-        # size (a server sets it per round from its load); such a row finishes its answer that way
-        self.speculate = True
 
     @property
     def run_identity(self) -> dict:
@@ -678,35 +672,14 @@ class SemanticSpecDecoder(_DraftTarget):
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
-    def _advance(self, rows: list[_Row]) -> None:
-        """One round. While ``speculate`` is off, the target writes every row's next steps alone as
-        ``SingleModelDecoder`` does (one batched decode loop, with lookahead), after any queued rewrites,
-        and each of those rows finishes its answer that way (``solo``): its draft would otherwise have to
-        read every step it missed before proposing again, a prefill that costs more than it saves near
-        the end of an answer."""
-        if self.speculate and not all(r.solo for r in rows):
-            super()._advance(rows)
-            return
-        queued = [r for r in rows if r.queued is not None]
-        if queued:
-            self._rewrite([r.queued for r in queued])
-            for r in queued:
-                r.queued, r.waited = None, 0
-        going = [r for r in rows if not r.finished(self.settings)]
-        for row in going:
-            row.solo = True
-        write_alone(self.target, "target", going, self.settings)
-
     def _round(self, rows: list[_Row]) -> list[_Rewrite]:
         """One round (``_verify_round``) for the rows whose answers still have rejections to spend; the
-        others (``max_rejections`` spent, or ``solo``) are handed to the target, which writes their next
-        step alone."""
+        others (``max_rejections`` spent) are handed to the target, which writes their next step alone."""
         s = self.settings
-        spent = s.max_rejections is not None
-        handed = [r for r in rows if r.solo or (spent and r.res.rejections >= s.max_rejections)]
-        if not handed:
+        if s.max_rejections is None:
             return self._verify_round(rows)
-        going = [r for r in rows if all(r is not h for h in handed)]
+        handed = [r for r in rows if r.res.rejections >= s.max_rejections]
+        going = [r for r in rows if r.res.rejections < s.max_rejections]
         writes = []
         for row in handed:
             start = StepStart(row.target, row.step_budget(s, self.target), row.seed)

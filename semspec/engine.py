@@ -5,9 +5,11 @@ Requests are grouped in *lanes*, one per (method, temperature, top_p): rows of a
 call (``BatchDecoder.admit`` and ``step``), and the lanes take turns round by round. A row's budget and
 seed are its own, so requests with different ``max_tokens`` or seeds share a lane.
 
-Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: while
-SemanticSpec's lane holds more than ``spec_max_batch`` rows, the target writes every row's next step
-alone, in one batched decode (the drafts read those steps when speculation resumes). A full batch is
+Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: a
+SemanticSpec request that arrives while more than ``spec_max_batch`` requests are in flight joins the
+target's lane, and when the batch grows past ``spec_max_batch`` rows, SemanticSpec's rows move into the
+target's lane too (each keeps its caches, budget and seed; the target writes the rest of its answer).
+Under load every row then shares one batched decode, as the target alone would run. A full batch is
 compute-bound, and the target's verification then costs more than the draft saves; which batch size
 that is depends on the CPU (``conf/serving.yaml``, ``semspec.flows.server.auto_spec_max_batch``).
 """
@@ -57,6 +59,7 @@ class Request:
     future: Future = field(default_factory=Future)  # the DecodeResult
     admitted: Future = field(default_factory=Future)  # True once its row is in the batch (prompt read)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    solo: bool = False  # SemanticSpec under load: in the target's lane (the target writes the rest)
     spec_rounds: int = 0  # rounds in which it speculated (SemanticSpec)
     solo_rounds: int = 0  # rounds in which the target wrote its step alone because the batch was full
     submitted: float = 0.0
@@ -70,11 +73,7 @@ class Request:
     @property
     def ran_as(self) -> str:
         """The method that decoded it: the target where speculation was off in every round."""
-        return (
-            "target"
-            if self.method == PROBE_METHOD and self.solo_rounds and not self.spec_rounds
-            else self.method
-        )
+        return "target" if self.method == PROBE_METHOD and self.solo and not self.spec_rounds else self.method
 
     def cancel(self) -> None:
         """Drop the request: its row leaves the batch at the next round (a client that went away)."""
@@ -185,11 +184,13 @@ class Engine:
             if req.cancelled.is_set():
                 self._fail(req, Stopped("cancelled"))
                 continue
+            in_flight = self.running + len(taken) + 1 + len(self._pending)
+            req.solo = req.method == PROBE_METHOD and not self._may_speculate(in_flight)
             taken.append(req)
         return taken
 
     def _lane(self, req: Request) -> tuple[LaneKey, _Lane]:
-        key = (req.method, float(req.temperature), float(req.top_p))
+        key = ("target" if req.solo else req.method, float(req.temperature), float(req.top_p))
         if key not in self._lanes:
             self._lanes[key] = _Lane(self.decoders(*key))
         return key, self._lanes[key]
@@ -243,7 +244,9 @@ class Engine:
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
         if not lane.rows:
             return
-        speculating = self._speculate(lane)
+        if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
+            self._hand_over(key, lane)
+            return
         try:
             done = lane.decoder.step(lane.rows)
         except Exception as e:  # the lane's rows fail; the engine keeps serving
@@ -255,9 +258,9 @@ class Engine:
         self.rounds += 1
         for row in lane.rows:
             req = lane.requests[row.index]
-            if speculating is not None:
-                req.spec_rounds += speculating
-                req.solo_rounds += not speculating
+            if req.method == PROBE_METHOD:
+                req.solo_rounds += req.solo
+                req.spec_rounds += not req.solo
         finished = {r.index for r in done}
         lane.rows = [r for r in lane.rows if r.index not in finished]
         for row in done:
@@ -266,13 +269,26 @@ class Engine:
                 self.on_done(req, row.res, None)
             req.future.set_result(row.res)
 
-    def _speculate(self, lane: _Lane) -> bool | None:
-        """Switch the lane's speculation on or off for this round by its size (None: not a speculating
-        decoder)."""
-        if not hasattr(lane.decoder, "speculate"):
-            return None
-        lane.decoder.speculate = self.spec_max_batch is None or len(lane.rows) <= self.spec_max_batch
-        return lane.decoder.speculate
+    def _may_speculate(self, rows: int) -> bool:
+        """Whether SemanticSpec speculates with ``rows`` requests in flight."""
+        return self.spec_max_batch is None or rows <= self.spec_max_batch
+
+    def _hand_over(self, key: LaneKey, lane: _Lane) -> None:
+        """Move SemanticSpec's rows into the target's lane of the same sampling settings: the batch is full,
+        and the target writes the rest of their answers there, batched with its own rows."""
+        _, temperature, top_p = key
+        target_key = ("target", temperature, top_p)
+        if target_key not in self._lanes:
+            self._lanes[target_key] = _Lane(self.decoders(*target_key))
+        into = self._lanes[target_key]
+        moving = [r for r in lane.rows if r.queued is None]  # a row waiting for a rewrite moves after it
+        for row in moving:
+            row.draft = None  # its draft reads no more of this answer
+            req = lane.requests.pop(row.index)
+            req.solo = True
+            into.requests[row.index] = req
+        into.rows += moving
+        lane.rows = [r for r in lane.rows if r.queued is not None]
 
     def _fail(self, req: Request, error: BaseException) -> None:
         if not req.admitted.done():

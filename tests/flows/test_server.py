@@ -219,6 +219,9 @@ def test_concurrent_requests_share_rounds_and_speculation_stops_above_the_thresh
     for t in off:  # the target wrote a step alone, with nothing proposed, in the rounds speculation was off
         assert any(s["author"] == "target" and s["accepted"] is None for s in t["steps"])
     assert all(t["rounds_without_speculation"] == 0 for t in traces if t["speculation"])
+    alone = spec.generate(CHAT, method="target", max_new_tokens=24)
+    solo = [r.json() for r, t in zip(outs, traces, strict=True) if t["ran_as"] == "target"]
+    assert solo and all(r["choices"][0]["message"]["content"] == alone.text for r in solo)
 
 
 def test_bounded_load_nothing_is_lost():
@@ -272,3 +275,28 @@ def test_the_engine_refuses_past_its_queue_and_fails_requests_on_stop():
     with pytest.raises(RuntimeError, match="never admitted"):
         first.future.result(5)
     engine.stop()
+
+
+def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
+    spec = TinySpec(delay=0.05)
+    engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4, spec_max_batch=1)
+    engine.start()
+    try:
+        first = engine.submit(Request(CHAT, max_new_tokens=40, temperature=0.0, top_p=1.0))
+        deadline = time.time() + 10
+        while first.spec_rounds == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        later = [
+            engine.submit(Request(CHAT, max_new_tokens=40, temperature=0.0, top_p=1.0)) for _ in range(2)
+        ]
+        res = first.future.result(60)
+        others = [r.future.result(60) for r in later]
+    finally:
+        engine.stop()
+    assert first.spec_rounds > 0 and first.solo_rounds > 0 and first.ran_as == "semanticspec"
+    assert not first.speculation
+    moved = [i for i, s in enumerate(res.steps) if s.author == "target" and s.proposal is None]
+    assert moved and res.steps[-1].proposal is None  # the target wrote the rest alone
+    alone = spec.generate(CHAT, method="target", max_new_tokens=40)
+    for req, out in zip(later, others, strict=True):  # joined a full batch: the target alone from the start
+        assert req.ran_as == "target" and req.spec_rounds == 0 and out.text == alone.text
