@@ -95,6 +95,8 @@ class Engine:
         max_batch: rows decoded at once, over every lane.
         max_queue: requests that may wait for a place; one more raises :class:`Overloaded`.
         spec_max_batch: the most requests in flight for which SemanticSpec still speculates (None: always).
+        admit_wait: seconds an idle engine waits for more requests before it admits the first (with a
+            ``spec_max_batch``), so a burst is counted whole.
         on_done: called with each finished request and its result (metrics), from the engine's thread.
     """
 
@@ -105,13 +107,14 @@ class Engine:
         max_queue: int = 64,
         spec_max_batch: int | None = None,
         on_done: Callable[[Request, DecodeResult | None, BaseException | None], None] | None = None,
+        admit_wait: float = 0.02,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if spec_max_batch is not None and spec_max_batch < 0:
             raise ValueError(f"spec_max_batch must be None or >= 0, got {spec_max_batch}")
         self.decoders, self.max_batch, self.max_queue = decoders, max_batch, max_queue
-        self.spec_max_batch, self.on_done = spec_max_batch, on_done
+        self.spec_max_batch, self.on_done, self.admit_wait = spec_max_batch, on_done, admit_wait
         self._pending: deque[Request] = deque()
         self._lanes: dict[LaneKey, _Lane] = {}
         self._cond = threading.Condition()
@@ -169,6 +172,12 @@ class Engine:
             with self._cond:
                 while not self._stop and not self._pending and not self.running:
                     self._cond.wait()
+                if not self._stop and not self.running and self.spec_max_batch is not None:
+                    # an idle batch: clients whose answers ended together send their next requests within
+                    # milliseconds; wait for them before deciding whether SemanticSpec speculates
+                    deadline = time.perf_counter() + self.admit_wait
+                    while not self._stop and (left := deadline - time.perf_counter()) > 0:
+                        self._cond.wait(left)
                 if self._stop:
                     return
                 joining = self._take()
