@@ -290,13 +290,7 @@ def start_llama_server(
         "--ctx-size", str(ctx),
     ]  # fmt: skip
     log_path = log_path or Path(f"/tmp/serve_load-llama-server-{port}.log")
-    proc = _spawn(cmd, log_path)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", health_timeout, log_path)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return proc
+    return _start_healthy(cmd, port, log_path, health_timeout)
 
 
 def start_semspec_server(
@@ -319,6 +313,13 @@ def start_semspec_server(
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log_path = log_path or Path(f"/tmp/serve_load-semspec-{port}.log")
+    return _start_healthy(cmd, port, log_path, health_timeout, env)
+
+
+def _start_healthy(
+    cmd: list[str], port: int, log_path: Path, health_timeout: float, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Spawn ``cmd`` and wait until its ``/health`` on loopback ``port`` answers; stop it if that fails."""
     proc = _spawn(cmd, log_path, env)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", health_timeout, log_path)
