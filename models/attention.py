@@ -1,9 +1,8 @@
 """Attention for decoding calls on CPU: one query per row, without SDPA's per-call cost.
 
 A decode token attends with one query per row over the whole cache. PyTorch's CPU SDPA runs that through
-its flash-attention kernel, built for many queries; measured on a 2-core AVX512 CPU it costs 80-130 us
-per layer at a 150-token context and 0.5-0.9 ms at 600 tokens (Qwen2.5 0.5B / 1.5B heads, bfloat16), a
-few to 25 ms per decoded token over the layers, where the arithmetic is a few microseconds. Here such a
+its flash-attention kernel, built for many queries, whose fixed cost per call is far above the few
+microseconds of arithmetic (``docs/formats.md`` has the measurements). Here such a
 call runs a small C++ kernel (built and cached like the int8 kernel, ``models/int8_kernel.py``): per
 head, the scores against every cached key in float32, a softmax, and the weighted sum of the values in
 float32 (as the flash kernel accumulates), rounded once to the activation dtype; grouped-query heads read

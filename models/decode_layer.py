@@ -1,10 +1,10 @@
 """A decoder layer's decoding call in two C++ calls instead of ~100 small PyTorch ones.
 
 With the int8 kernel (``models/int8_kernel.py``) and the decode attention (``models/attention.py``) in
-place, one decode token of Qwen2.5 0.5B still spent ~6.5 ms of its ~20 outside them (8.4 ms of the
-1.5B's ~52; a 2-core AVX512 CPU): some 2,300 PyTorch calls per token, each a microsecond or two of
-dispatch, plus the Python of transformers' modules around them (RMSNorm's casts, rotary's ``cat``, seven
-quantized linears, the MLP's activation and product, two residual adds per layer). For a Llama-style
+place, a decode token still spends a large share of its time outside them: some 2,300 PyTorch calls per
+token, each a microsecond or two of dispatch, plus the Python of transformers' modules around them
+(RMSNorm's casts, rotary's ``cat``, seven quantized linears, the MLP's activation and product, two
+residual adds per layer). For a Llama-style
 decoder layer (Llama, Qwen2: RMSNorm, q/k/v/o projections with rotary positions, a SiLU-gated MLP), with
 every projection an int8 ``QuantLinear`` packed for the kernel and bfloat16 activations, a decoding call (one new token per
 row, as many rows as the layers' int8 calls take) runs here as:
@@ -25,9 +25,10 @@ cannot be built or ``SEMSPEC_DECODE_LAYER=0``. ``install`` switches a loaded mod
 With every layer switched, ``decode_model`` runs a whole decoding call of rows without padding (what one
 row's decoding is) without the modules around the layers either: the embedding, rotary positions, the
 layers' kernel calls, the cache's concatenation and the decode attention kernel called directly, the
-final norm and the head. Its buffers are allocated once per call, not per layer. That cut the 0.5B's
-token by about 1.4 ms of ~17 (transformers' module calls, output hooks, mask building and ~100 small
-allocations per token). It computes what the model's own forward computes, op for op (tests compare).
+final norm and the head. Its buffers are allocated once per call, not per layer, which saves
+transformers' module calls, output hooks, mask building and ~100 small allocations per token. It
+computes what the model's own forward computes, op for op (tests compare). Measurements:
+``docs/formats.md``.
 """
 
 from __future__ import annotations

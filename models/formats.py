@@ -19,20 +19,12 @@ kernels lose to a dense GEMM. So such calls run dense, on the same weights: on a
 bfloat16 (AVX512_BF16 or AMX) through a bfloat16 copy of the dequantized int weights, kept beside them
 in oneDNN's blocked layout (``onednn_pack``: packed once at load instead of reordered on every call,
 1.2-2x faster for 4-48 rows); elsewhere through float32 weights dequantized for that call (a float32 copy would cost 4x the int8 bytes of memory; the dequantization
-costs little against a GEMM of that many rows). Measured on one linear layer of the 1.5B target (1536 ->
-8960, 28 distinct copies so the weights come from memory), ms per call on a 2-core AVX-512 BF16/AMX CPU:
-
-    rows     1     2     4     6     8    16
-    bf16   1.42  1.53  1.53  1.56  1.55  1.44
-    int8   1.00  1.16  1.37  2.17  2.54  4.33
-    int4   0.60  0.61  0.75  1.31  1.44  2.64
-
-and on an AVX2-only CPU (no native bfloat16; the figures that motivated the formats): float32 5.6 / 21.9
-/ 39.6 / 142.5 ms at 1 / 8 / 48 / 384 rows, bfloat16 2.7 / 13.6 / 79.1 / 681.4, int8 2.0 / 5.4 / 31.4 /
-298.0. Hence ``DENSE_ROWS``.
+costs little against a GEMM of that many rows). Where the int kernels stop beating the dense product
+was measured per CPU kind on one linear layer of the 1.5B target (``docs/formats.md``): hence
+``DENSE_ROWS``.
 
 torchao (0.18) was measured too and is not used: its int8 weight-only tensor dequantizes the whole
-weight on every eager call on CPU (3x slower than dense bfloat16 per call here), and neither of its
+weight on every eager call on CPU (slower than dense bfloat16 per call), and neither of its
 configs keeps a dense path for many-row calls; the int kernels it would dispatch to are the PyTorch
 ops called here.
 """
@@ -64,9 +56,8 @@ INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kerne
 # (int4 without native bfloat16 has no dense path: its packed weights cannot be dequantized cheaply, and
 # a float32 copy would cost 8x their memory)
 DENSE_ROWS = {("int8", True): 4, ("int4", True): 8, ("int8", False): 64, ("int4", False): None}
-# With AMX, oneDNN's bfloat16 GEMM of a dequantized copy is flat from 2 to 16 rows (~1.07 ms per call of a
-# 1536 -> 8960 layer on a 2-core Xeon with AMX) and overtakes the int4 kernel (0.35 / 0.66 / 0.87 / 1.01 /
-# 1.38 ms at 1 / 4 / 5 / 6 / 8 rows) above 6 rows
+# With AMX, oneDNN's bfloat16 GEMM of a dequantized copy costs about the same from 2 to 16 rows and
+# overtakes the int4 kernel above 6 rows (measured on a 1536 -> 8960 layer: docs/formats.md)
 AMX_INT4_ROWS = 6
 
 

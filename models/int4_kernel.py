@@ -3,9 +3,8 @@
 ``y = x @ w.T`` for x (M, K) bfloat16 and int4 weights ``w = (q - 8) * scale + zero`` with q in [0, 15]
 and one bfloat16 scale and zero per output channel and group of 32 inputs: the int4 format's weights
 (``formats.quantize_int4``), the contract of ``torch.ops.aten._weight_int4pack_mm_for_cpu``. PyTorch's
-CPU kernel for that op is bound by its instructions, not by memory: one call of the 1.5B's 1536 -> 8960
-layer, one row, took about as long as semspec's int8 kernel (0.40 against 0.43 ms on a 2-core AVX512
-EPYC) for half the bytes. This one makes every weight a bfloat16 number with two integer instructions
+CPU kernel for that op is bound by its instructions, not by memory: it takes about as long as semspec's
+int8 kernel for half the bytes (``docs/formats.md``). This one makes every weight a bfloat16 number with two integer instructions
 per 64 weights (a nibble OR-ed into the bit pattern of 128.0 is 128 + q, exactly) and multiplies them
 by x with ``vdpbf16ps`` (products exact in float32, sums in float32), on weights ``pack`` lays out in
 blocks of 16 output channels, one channel per float32 lane, so no horizontal sums are needed. Per group

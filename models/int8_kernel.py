@@ -2,15 +2,12 @@
 
 ``y = (x @ q.T) * scale`` for x (M, K) in bfloat16 or float32, q (N, K) int8 and scale (N,) in x's dtype,
 the contract of ``torch.ops.aten._weight_int8pack_mm``. PyTorch's CPU kernel for that op converts each
-int8 weight to bfloat16 and is bound by that conversion, not by memory: measured on a 2-core AVX512 CPU
-it reads 21 GB/s of the ~30 the machine streams, and on a 2-core AVX2-only EPYC 3.6 GB/s of 18.4 (its
-vectorized path is AVX-512 only). Decoding one token reads every weight once, so that kernel sets the
-decode time. This one widens 16 int8 weights to float32 per instruction (8 in its AVX2 build) and
-accumulates in float32, on weights ``pack`` lays out in blocks of 8 output channels: each block is one
-sequential stream, its 8 dot products share every load of x, and two rows of x (AVX-512; one in the AVX2
-build) share every weight load, the next rows finding the block still in cache. One call of the 1.5B's
-1536 -> 8960 layer, one row, took 0.34-0.49 ms packed against 0.73 ms row by row (2-core AVX512 EPYC,
-~30 GB/s), and at 2-64 rows it is as fast as PyTorch's op or faster, in both builds.
+int8 weight to bfloat16 and is bound by that conversion, not by memory (its vectorized path is AVX-512
+only). Decoding one token reads every weight once, so that kernel sets the decode time. This one widens
+16 int8 weights to float32 per instruction (8 in its AVX2 build) and accumulates in float32, on weights
+``pack`` lays out in blocks of 8 output channels: each block is one sequential stream, its 8 dot
+products share every load of x, and two rows of x (AVX-512; one in the AVX2 build) share every weight
+load, the next rows finding the block still in cache. Measurements: ``docs/formats.md``.
 
 It is built from the C++ source below with the system's C++ compiler (``$CXX``, else ``g++`` or ``c++``)
 into ``kernels/`` of the cache folder (``$SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``), keyed by
