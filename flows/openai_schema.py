@@ -22,7 +22,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 class ChatMessage(BaseModel):
     """One message of a chat."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
     content: Annotated[str, Field(max_length=200_000)]
     name: str | None = None
@@ -31,14 +31,14 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     """OpenAI's ``stream_options``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """What both endpoints take."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None  # the served pair's name (GET /v1/models); None: it
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Temperature | None = None
@@ -49,6 +49,12 @@ class _Sampling(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     user: str | None = None
     method: Method = "semanticspec"  # semspec's extension: a baseline through the same endpoint
+
+    @field_validator("max_tokens", "max_completion_tokens", "seed", mode="before", check_fields=False)
+    @classmethod
+    def _json_int(cls, v: object) -> object:
+        """A JSON integer may be written ``3.0`` (JSON Schema's integer); ``true`` and ``"3"`` stay refused."""
+        return int(v) if isinstance(v, float) and v.is_integer() else v
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod

@@ -222,7 +222,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail), "invalid_request_error")
+        return _error(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)  # 405: Allow
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -414,7 +414,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
             "spec_max_batch": cfg.spec_max_batch,
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {metrics.content_type: {}}}})
     async def prometheus() -> Response:
         """Prometheus metrics: requests, tokens, step acceptance, target share, queue, latencies."""
         return Response(metrics.render(), media_type=metrics.content_type)

@@ -49,6 +49,7 @@ class MethodNotApplicable(ValueError):
     vocabularies); evaluation and the bench skip it and report the reason."""
 
 
+MIN_TEMPERATURE = 1e-3  # a temperature below this decodes greedily
 ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
 StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
 
@@ -59,7 +60,8 @@ class DecodeSettings:
 
     max_new_tokens: int = 256  # output budget (target-tokenizer tokens where a target is involved)
     step_tokens: int | None = None  # per-step budget; None: each model spec's max_step_tokens
-    temperature: float = 0.0  # 0: greedy
+    # 0: greedy; below MIN_TEMPERATURE too (its limit: dividing logits by less overflows the softmax)
+    temperature: float = 0.0
     top_p: float = 1.0
     gamma: int = 1  # steps drafted before verification (paper default 1)
     # batches only: steps a row may write ahead while others finish theirs (never changes an output)
@@ -117,8 +119,10 @@ class DecodeSettings:
             raise ValueError(f"min_token_p must be None or a probability in (0, 1), got {self.min_token_p!r}")
         if not 0 <= self.accept_threshold <= 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1:  # NaN fails too
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
 
 @dataclass

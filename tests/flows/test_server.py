@@ -300,3 +300,21 @@ def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
     alone = spec.generate(CHAT, method="target", max_new_tokens=40)
     for req, out in zip(later, others, strict=True):  # joined a full batch: the target alone from the start
         assert req.ran_as == "target" and req.spec_rounds == 0 and out.text == alone.text
+
+
+def test_a_tiny_temperature_decodes_greedily_instead_of_overflowing(server, spec):
+    base, _ = server
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 1e-300}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == spec.generate(CHAT, max_new_tokens=12).text
+
+
+def test_an_undeclared_method_is_405_with_allow():
+    from fastapi.testclient import TestClient
+
+    from semspec.flows.server import create_app
+
+    with TestClient(create_app(TinySpec(), ServeConfig())) as client:
+        r = client.request("TRACE", "/v1/models")
+    assert r.status_code == 405 and "GET" in r.headers["allow"] and r.json()["error"]["type"]
