@@ -431,10 +431,9 @@ class BatchDecoder:
         return done
 
 
-def write_alone(lm: LM, role: str, rows: list[_Row], s: DecodeSettings) -> list[list[StepSample]]:
+def write_alone(lm: LM, role: str, rows: list[_Row], s: DecodeSettings) -> None:
     """``lm`` (playing ``role``) writes every row's next step, all in one batched decode loop; rows done
-    before the slowest write up to ``lookahead`` more (the steps they would write in the next rounds).
-    Returns each row's new steps, already added to its result."""
+    before the slowest write up to ``lookahead`` more (the steps they would write in the next rounds)."""
 
     def more(b: int, done: list[StepSample]) -> int | None:
         used = rows[b].used(done)
@@ -454,7 +453,6 @@ def write_alone(lm: LM, role: str, rows: list[_Row], s: DecodeSettings) -> list[
             row.res.output_tokens += k
             if step.finish_reason == "eos":
                 row.res.finish_reason = "eos"
-    return [steps for steps, _ in outs]
 
 
 class SingleModelDecoder(BatchDecoder):

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +150,6 @@ class SemanticSpec:
 
     def settings(self, **overrides: Any) -> DecodeSettings:
         """The decode settings of a call: the evaluation's defaults with ``overrides`` (checked)."""
-        from dataclasses import replace
-
         check_settings(overrides)
         return replace(self.defaults, **overrides)
 
