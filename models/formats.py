@@ -14,19 +14,20 @@ A model spec's ``dtype`` names a format:
 
 A quantized layer runs a call with few rows (one decode token per row) through its int kernel, which
 reads half (int8) or a quarter (int4) of bfloat16's bytes: decoding is bound by reading the weights. A
-call with many rows (a prompt, a step's verification prefill) is compute-bound, and there the int
-kernels lose to a dense GEMM. So such calls run dense, on the same weights: on a CPU with native
-bfloat16 (AVX512_BF16 or AMX) through a bfloat16 copy of the dequantized int weights, kept beside them
-in oneDNN's blocked layout (``onednn_pack``: packed once at load instead of reordered on every call,
-1.2-2x faster for 4-48 rows); elsewhere through float32 weights dequantized for that call (a float32 copy would cost 4x the int8 bytes of memory; the dequantization
-costs little against a GEMM of that many rows). Where the int kernels stop beating the dense product
-was measured per CPU kind on one linear layer of the 1.5B target (``docs/formats.md``): hence
-``DENSE_ROWS``.
+call with many rows (a prompt, a step's verification prefill) is compute-bound. The int4 kernel has
+register tiles for those (``int4_kernel``), close to a dense bfloat16 GEMM, so int4 runs every call from
+its int weights and keeps no dense copy, except with AMX, whose bfloat16 GEMM is several times faster:
+there calls above 6 rows run on a bfloat16 copy of the dequantized weights. The int8 kernel has no such
+tiles: its many-row calls run dense, on the same weights, through a bfloat16 copy (native bfloat16, kept
+in oneDNN's blocked layout by ``onednn_pack``: packed once at load, 1.2-2x faster for 4-48 rows than a
+plain weight) or through float32 weights dequantized for that call (no native bfloat16: a float32 copy
+would cost 4x the int8 bytes). Where each path stops paying was measured per CPU kind on one linear layer
+of the 1.5B target (``docs/formats.md``): hence ``DENSE_ROWS``.
 
-torchao (0.18) was measured too and is not used: its int8 weight-only tensor dequantizes the whole
-weight on every eager call on CPU (slower than dense bfloat16 per call), and neither of its
-configs keeps a dense path for many-row calls; the int kernels it would dispatch to are the PyTorch
-ops called here.
+torchao 0.18 was measured too and is not used: its int8 weight-only tensor dequantizes the whole weight
+on every eager call on CPU (slower than dense bfloat16 per call), and the wheel on PyPI carries no CPU
+kernel for its int8-activation, int4-weight config (``da8w4_linear_cpu`` has no CPU implementation
+there).
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kerne
 # 384 where float32 wins by 2x, interpolated)
 # (int4 without native bfloat16 has no dense path: its packed weights cannot be dequantized cheaply, and
 # a float32 copy would cost 8x their memory)
-DENSE_ROWS = {("int8", True): 4, ("int4", True): 8, ("int8", False): 64, ("int4", False): None}
-# With AMX, oneDNN's bfloat16 GEMM of a dequantized copy costs about the same from 2 to 16 rows and
-# overtakes the int4 kernel above 6 rows (measured on a 1536 -> 8960 layer: docs/formats.md)
+# (int4 with AVX512_BF16 has none either: the int4 kernel's tiles run many-row calls within ~1.2x of
+# a dense bfloat16 GEMM, for a quarter of its memory)
+DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): 64, ("int4", False): None}
+# With AMX, oneDNN's bfloat16 GEMM of a dequantized copy runs on AMX's tiles, several times faster than
+# the int4 kernel for many rows: there int4 keeps the copy, for calls above 6 rows (measured on a
+# 1536 -> 8960 layer: docs/formats.md)
 AMX_INT4_ROWS = 6
 
 
@@ -140,7 +144,8 @@ class Format:
 def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = None) -> Format:
     """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
     one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU with AVX512_BF16 (what
-    semspec's int4 kernel needs) ``int4``, whose dense calls (above 8 rows, 6 with AMX) run in bfloat16;
+    semspec's int4 kernel needs) ``int4``, every call through the int4 kernel, except that with AMX calls
+    above 6 rows run in bfloat16 on a dequantized copy (AMX's GEMM is several times faster there);
     on any other CPU ``int8``, whose dense calls run in bfloat16 where the CPU has native bfloat16 (AMX
     alone) and in float32 elsewhere (bfloat16 without native support is 3-5x slower than float32 for
     every call with many rows)."""
@@ -170,7 +175,8 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
     if name == "int4" and cpu.amx:
         rows = AMX_INT4_ROWS
     if rows is None:
-        reason = f"{cpu.label()}: {name} weights for every call"
+        kernel = " (semspec's int4 kernel)" if name == "int4" and native else ""
+        reason = f"{cpu.label()}: {name} weights{kernel} for every call, no dense copy"
     else:
         dense = "bfloat16 (a dequantized copy)" if native else "float32 (dequantized per call)"
         kernel = (
@@ -179,7 +185,7 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
         reason = (
             f"{cpu.label()}: {name} weights{kernel} for calls of up to {rows} rows (decoding), {dense} above"
         )
-    return Format(name, torch.bfloat16, rows, native, requested=requested, reason=reason)
+    return Format(name, torch.bfloat16, rows, native and rows is not None, requested=requested, reason=reason)
 
 
 # ----------------------------------------------------------------------------------- quantized layers

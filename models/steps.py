@@ -61,6 +61,9 @@ def step_end(text: str, strategy: str, delimiter: str = "\n\n") -> int | None:
     """Where the first step of generated ``text`` ends (the index just past its delimiter or its
     sentence end with the whitespace after it), or None while the step is still going."""
     if strategy == "paragraph":
+        if delimiter == "\n\n":  # a blank line, spaces on it or not, as ``split_steps`` reads one
+            m = _PARAGRAPH_RE.search(text)
+            return None if m is None else m.end()
         cut = text.find(delimiter)
         return None if cut < 0 else cut + len(delimiter)
     check_strategy(strategy)

@@ -40,7 +40,7 @@ QUESTION = "What is 12 * 7?"
     [
         (AVX2, "int8", False, 64),
         (AVX512, "int8", False, 64),
-        (AVX512_BF16, "int4", True, 8),
+        (AVX512_BF16, "int4", False, None),  # the int4 kernel's tiles run every call: no dense copy
         (AMX, "int8", True, 4),
         (BF16_AND_AMX, "int4", True, 6),  # AMX's bfloat16 GEMM overtakes the int4 kernel above 6 rows
     ],
@@ -52,8 +52,10 @@ def test_auto_is_int4_where_its_kernel_runs_else_int8_with_dense_calls_in_the_cp
     assert fmt.name == name and fmt.activations == torch.bfloat16
     assert fmt.dense_copy is dense_copy and fmt.dense_rows == rows
     dense = "bfloat16" if dense_copy else "float32"
-    assert fmt.label() == f"{name} ({dense} above {rows} rows)"
-    assert fmt.describe().startswith(f"auto -> {name} ({dense} above {rows} rows): {cpu.capability}, ")
+    label = name if rows is None else f"{name} ({dense} above {rows} rows)"
+    assert fmt.label() == label
+    assert fmt.describe().startswith(f"auto -> {label}: {cpu.capability}, ")
+    assert ("no dense copy" in fmt.describe()) is (rows is None and name == "int4")
     assert ("no native bf16" in fmt.describe()) is not cpu.native_bf16
     assert ("semspec's int4 kernel" in fmt.describe()) is (name == "int4")
 
@@ -75,7 +77,7 @@ def test_explicit_formats_are_kept_and_bfloat16_without_native_support_says_so()
         6,
         True,
     )
-    assert resolve_format("int4", "cpu", AVX512_BF16).dense_rows == 8
+    assert resolve_format("int4", "cpu", AVX512_BF16).dense_rows is None  # its kernel's tiles: no copy
     assert resolve_format("int4", "cpu", AVX2).dense_rows is None  # no dense path: its kernel always
 
 

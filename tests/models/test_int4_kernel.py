@@ -37,11 +37,24 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "m, k, n", [(1, 32, 16), (2, 64, 32), (3, 896, 1152), (4, 160, 48), (5, 96, 16), (8, 1536, 256)]
+    "m, k, n",
+    [
+        (1, 32, 16),
+        (2, 64, 32),
+        (3, 896, 1152),
+        (4, 160, 48),
+        (5, 96, 16),
+        (8, 1536, 256),
+        (13, 96, 48),
+        (48, 896, 160),
+        (9, 1536, 16),
+    ],
 )
 def test_the_kernel_is_the_int4_product(fresh, m, k, n):
-    """The smallest packed shape, each row count a block takes at once (1-4) and more (5: 4 + 1, 8: 4 + 4),
-    widths that are not multiples of 64, the Qwen layers' own: one bfloat16 rounding off the exact product."""
+    """The smallest packed shape, each row count the streaming path takes (1-3), the tiles' (4 and more:
+    a whole tile of 8, 13 = 8 + 5, 48 = 6 tiles), channel blocks in pairs and one left over (48, 160, 16
+    channels), widths that are not multiples of 64, the Qwen layers' own: one bfloat16 rounding off the
+    exact product."""
     kernel = int4_kernel.int4_mm()
     assert kernel is not None and kernel.isa == int4_kernel.ISA
     q, sz, w = _weights(n, k, m * k + n)

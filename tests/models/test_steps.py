@@ -14,6 +14,10 @@ from tests.helpers.tiny import boost_tokens, char_tokenizer, tiny_lm
 def test_step_end_paragraph_and_sentence():
     assert step_end("x = 3.5 so", "paragraph") is None
     assert step_end("x = 3.\n\nThen", "paragraph") == len("x = 3.\n\n")
+    assert step_end("x = 3.\n  \nThen", "paragraph") == len("x = 3.\n  \n"), "spaces on the blank line"
+    assert step_end("x = 3.\n\n\nThen", "paragraph") == len("x = 3.\n\n\n")
+    assert step_end("x = 3.\n\n\nThen", "paragraph", "\n\n\n") == len("x = 3.\n\n\n")
+    assert step_end("x\n\ny", "paragraph", "\n---\n") is None, "another delimiter is matched as written"
     # a sentence ends at . ? ! followed by whitespace, once the next step's first character is there
     assert step_end("It costs 3.5 dollars", "sentence") is None
     assert step_end("It costs 3.5 dollars. ", "sentence") is None
