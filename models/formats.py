@@ -260,18 +260,15 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.act), False)
         # int8 weights in the kernel's packed layout where it runs here and the shape fits, else PyTorch's
         self.packed = False
-        # the dense copy holds the int weights dequantized, not the original ones: every call, whichever
-        # kernel runs it, multiplies by the same weights (up to the activation dtype's rounding), so a step
-        # decoded token by token and the same step prefilled pool alike, as in a dense format
         if self.bits == 8:
-            q, scale, dense = quantize_int8(weight, dense=self.act if fmt.dense_copy else None)
+            q, scale, _ = quantize_int8(weight)
             self.packed = int8_kernel.packable(*q.shape) and int8_kernel.int8_mm() is not None
             q_stored = int8_kernel.pack(q) if self.packed else q  # (N/8, K/16, 8, 16) packed, else (N, K)
             self.register_buffer("qweight", q_stored)
             self.register_buffer("scales", scale.to(self.act))  # (N,)
         else:
-            q, sz, dense = quantize_int4(weight, dense=self.act if fmt.dense_copy else None)
-            sz = sz.to(self.act)  # (K / group, N, 2): what the kernels read (the dense copy took it too)
+            q, sz, _ = quantize_int4(weight)
+            sz = sz.to(self.act)  # (K / group, N, 2): what the kernels read
             self.packed = self.act == torch.bfloat16 and int4_kernel.int4_mm() is not None
             if self.packed:  # (N/16, K/32, 8, 32) nibbles, (N/16, K/32, 2, 16) scales and zeros
                 nibbles, sz_packed = int4_kernel.pack(q, sz)
@@ -281,10 +278,55 @@ class QuantLinear(nn.Module):
                 int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
                 self.register_buffer("qweight", int4pack)
                 self.register_buffer("scales", sz)
-        # held once: in oneDNN's blocked layout where it takes it (not a buffer: an opaque tensor), else plain
-        self._dense_packed = None if dense is None else onednn_pack(dense)
+        self._attach_dense(fmt)
+
+    @classmethod
+    def from_stored(
+        cls,
+        fmt: Format,
+        layout: dict,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> QuantLinear:
+        """A layer from the tensors and ``layout`` (``stored_layout``) a loaded one holds, as the weight
+        cache keeps them (memory-mapped tensors are used as they are, not copied)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = int(layout["in"]), int(layout["out"])
+        self.bits, self.packed = int(layout["bits"]), bool(layout["packed"])
+        self.dense_rows, self.act = fmt.dense_rows, fmt.activations
+        self.bias = None if bias is None else nn.Parameter(bias, False)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self._attach_dense(fmt)
+        return self
+
+    def stored_layout(self) -> dict:
+        """What ``from_stored`` needs besides the tensors: the widths, the bits and the packing."""
+        return {"in": self.in_features, "out": self.out_features, "bits": self.bits, "packed": self.packed}
+
+    def _attach_dense(self, fmt: Format) -> None:
+        """Keep the bfloat16 copy many-row calls multiply by where ``fmt`` has one: the int weights
+        dequantized (not the original ones: every call, whichever kernel runs it, multiplies by the same
+        weights up to the activation dtype's rounding, so a step decoded token by token and the same step
+        prefilled pool alike), in oneDNN's blocked layout where it takes it, else plain."""
+        dense = self._dequantized_all().to(self.act) if fmt.dense_copy else None  # (N, K)
+        self._dense_packed = None if dense is None else onednn_pack(dense)  # opaque: not a buffer
         plain = dense if self._dense_packed is None else None
         self.register_buffer("dense", plain, persistent=False)  # (N, K) or None
+
+    def _dequantized_all(self) -> torch.Tensor:
+        """The int weights as float32 (N, K), whatever their bits and layout."""
+        if self.bits == 8:
+            return self.int8_weight().float() * self.scales.float()[:, None]
+        if self.packed:
+            q, sz = int4_kernel.unpack(self.qweight, self.scales)
+        else:  # PyTorch's int4 packing has no inverse here: multiply the identity through its op
+            eye = torch.eye(self.in_features, dtype=self.act)
+            w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales)
+            return w.float().t().contiguous()
+        return _dequantize(q, sz.float())
 
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""

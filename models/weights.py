@@ -240,13 +240,14 @@ def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble:
     return str(folder)
 
 
-def _safe_name(model_id: str) -> str:
+def safe_name(model_id: str) -> str:
+    """``model_id`` as a file name: characters other than letters, digits and ``._-`` become ``_``."""
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in model_id)
 
 
 def parts_cache_path(model_id: str, gguf_file: str) -> Path:
     """Where the joined file of a ``parts`` model lives in the cache."""
-    return cache_dir() / "parts" / _safe_name(model_id) / gguf_file
+    return cache_dir() / "parts" / safe_name(model_id) / gguf_file
 
 
 # ----------------------------------------------------------------------------------- converted GGUF
@@ -264,7 +265,7 @@ def converted_cache_path(model_id: str, key: dict) -> Path:
     """The cache folder of the converted copy that ``key`` (see :func:`converted_key`) describes:
     ``<cache>/converted/<model id>-<dtype>-<digest of key>``."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{_safe_name(model_id)}-{key['dtype']}-{digest}"
+    return cache_dir() / "converted" / f"{safe_name(model_id)}-{key['dtype']}-{digest}"
 
 
 def stale_converted(folder: Path) -> list[Path]:

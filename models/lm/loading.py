@@ -16,7 +16,8 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
-from semspec.models.formats import quantize_model, resolve_format
+from semspec.models.formats import Format, quantize_model, resolve_format
+from semspec.models.lm import weight_cache
 from semspec.models.lm.adapter import LM, dtype_name
 from semspec.models.pair import ModelSpec
 from semspec.models.weights import (
@@ -144,6 +145,37 @@ def load_lm(spec: ModelSpec) -> LM:
     fmt = resolve_format(spec.dtype, spec.device)
     where = resolve_spec(spec)
     converted = _converted_folder(spec, where, fmt.load_dtype)
+    cached = _weight_entry(spec, fmt, converted)
+    loaded = weight_cache.load(*cached, fmt, spec.trust_remote_code) if cached else None
+    if loaded is None:
+        loaded = _load_and_quantize(spec, where, fmt, converted)
+        cached = cached or _weight_entry(spec, fmt, _converted_folder(spec, where, fmt.load_dtype))
+        if cached:  # kept, then mapped from the file: every process runs the same tensors, shared
+            weight_cache.save(*cached, *loaded)
+            loaded = weight_cache.load(*cached, fmt, spec.trust_remote_code) or loaded
+    else:
+        log.info("%s: quantized weights memory-mapped from %s", spec.model_id, cached[0])
+    tokenizer, model = loaded
+    lm = LM(model, tokenizer, spec, fmt)
+    lm.load_seconds = time.perf_counter() - t0
+    log.info("%s runs in %s", spec.model_id, fmt.describe())
+    return lm
+
+
+def _weight_entry(
+    spec: ModelSpec, fmt: Format, converted: tuple[Path, dict] | None
+) -> tuple[Path, dict] | None:
+    """(folder, key) of the weight cache's entry for a quantized GGUF model on the CPU, else None."""
+    if converted is None or not fmt.quantized or pick_device(spec.device).type != "cpu":
+        return None
+    key = weight_cache.cache_key(converted[1], fmt)
+    return weight_cache.entry_path(spec.model_id, key), key
+
+
+def _load_and_quantize(
+    spec: ModelSpec, where: str, fmt: Format, converted: tuple[Path, dict] | None
+) -> tuple:
+    """(tokenizer, model) from the converted copy or the source, quantized to ``fmt`` where it says so."""
     loaded = _load_converted(*converted, spec, fmt.load_dtype) if converted else None
     if loaded is None:
         loaded = _load_pretrained(spec, where, fmt.load_dtype)
@@ -162,10 +194,7 @@ def load_lm(spec: ModelSpec) -> LM:
             fmt.name,
             time.perf_counter() - tq,
         )
-    lm = LM(model, tokenizer, spec, fmt)
-    lm.load_seconds = time.perf_counter() - t0
-    log.info("%s runs in %s", spec.model_id, fmt.describe())
-    return lm
+    return tokenizer, model
 
 
 def _load_pretrained(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple:

@@ -60,9 +60,11 @@ def test_draft_batched_samples_stop_at_the_delimiter(draft_lm):
 
 
 def test_the_converted_copy_is_the_gguf_model_bit_for_bit(embedded_pair, tmp_path, monkeypatch, caplog):
-    """The draft converted from its GGUF file (a fresh cache) and then read from the copy that load kept:
-    the same weights, dtype, tokenizer, chat template, EOS ids and hidden states."""
+    """The draft converted from its GGUF file (a fresh cache), then read from the copy that load kept, then
+    memory-mapped from the weight cache: the same weights, dtype, tokenizer, chat template, EOS ids and
+    hidden states."""
     import logging
+    import shutil
 
     import torch
 
@@ -73,10 +75,18 @@ def test_the_converted_copy_is_the_gguf_model_bit_for_bit(embedded_pair, tmp_pat
     with caplog.at_level(logging.INFO, logger="semspec.models.lm"):
         converted = load_lm(spec)
         assert "kept the converted GGUF model" in caplog.text and "loaded the converted" not in caplog.text
+        quantized = converted.format.quantized
+        assert ("kept the quantized weights" in caplog.text) is quantized
+        shutil.rmtree(tmp_path / "quantized", ignore_errors=True)  # so the next load reads the copy
         copy = load_lm(spec)
-    assert "loaded the converted copy" in caplog.text
-    a, b = converted.model.state_dict(), copy.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert "loaded the converted copy" in caplog.text
+        caplog.clear()
+        mapped = load_lm(spec)
+    assert ("quantized weights memory-mapped" in caplog.text) is quantized
+    assert "loaded the converted copy" not in caplog.text or not quantized, "no bfloat16 copy on the way"
+    for other in (copy, mapped):
+        a, b = converted.model.state_dict(), other.model.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert copy.model.dtype == converted.model.dtype == torch.bfloat16
     for text in (QUESTION, "Step 1: 3 + 5 = 8.\n\nStep 2: 8 - 2 = 6. \\boxed{6} ünï ∑"):
         assert converted.tokenizer(text).input_ids == copy.tokenizer(text).input_ids
