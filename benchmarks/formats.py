@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
-from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
+from semspec.models import attention, decode_layer, formats, int4_kernel, int8_kernel
 from semspec.models.decoding import DecodeSettings
 from semspec.models.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.grading import grade
@@ -78,23 +78,32 @@ def decode_bytes(model: torch.nn.Module) -> int:
 
 
 # a format's suffix -> the setting that turns one of semspec's kernels off, to compare in one run
+DENSE_COPY = "int4 dense copy"  # not a variable: int4 with a bfloat16 copy for calls above 8 rows (the old rule)
 SUFFIXES = {
     "-torch": ("SEMSPEC_INT8_KERNEL", "0"),
     "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0"),
     "-layer": ("SEMSPEC_DECODE_LAYER", "0"),
     "-plain": ("SEMSPEC_ONEDNN_PACK", "0"),
+    "-dense": (DENSE_COPY, "8"),
 }
 
 
 @contextlib.contextmanager
 def kernels_off(env: dict[str, str]) -> Iterator[None]:
-    """semspec's kernels turned off as ``env`` says (e.g. ``{"SEMSPEC_INT8_KERNEL": "0"}``) while inside."""
+    """semspec's kernels turned off as ``env`` says (e.g. ``{"SEMSPEC_INT8_KERNEL": "0"}``) while inside;
+    ``DENSE_COPY`` gives int4 on a CPU with native bfloat16 a dense copy for calls above that many rows."""
+    env = dict(env)
+    rows = env.pop(DENSE_COPY, None)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     _reload()
+    old_rows = formats.DENSE_ROWS[("int4", True)]
+    if rows is not None:
+        formats.DENSE_ROWS[("int4", True)] = int(rows)
     try:
         yield
     finally:
+        formats.DENSE_ROWS[("int4", True)] = old_rows
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k)
@@ -126,6 +135,8 @@ def _kernel(fmt_name: str, off: dict[str, str]) -> str:
         return " [modules decode]"
     if "SEMSPEC_ONEDNN_PACK" in off:
         return " [plain dense copy]"
+    if DENSE_COPY in off:
+        return " [dense copy]"
     if fmt_name not in ("int8", "int4"):
         return ""
     kernel = int8_kernel.int8_mm() if fmt_name == "int8" else int4_kernel.int4_mm()
@@ -298,9 +309,9 @@ def quality(a: argparse.Namespace) -> None:
     outs: dict[str, list] = {}
     for fmt in a.formats:
         name, off = _split(fmt)
-        lm = load_lm(dataclasses.replace(pair.target, dtype=name))
-        dec = build_decoder("target", pair, {"target": lm}, settings)
-        with kernels_off(off):
+        with kernels_off(off):  # loaded inside: the dense copy is made at load
+            lm = load_lm(dataclasses.replace(pair.target, dtype=name))
+            dec = build_decoder("target", pair, {"target": lm}, settings)
             t0 = time.perf_counter()
             res = dec.decode_batch([p.question for p in problems], a.batch)
             wall = time.perf_counter() - t0
