@@ -172,11 +172,23 @@ def bench(
             "accept is rejected when the target gives one of its tokens a lower probability."
         ),
     ] = None,
+    llamacpp: Annotated[
+        bool,
+        typer.Option(
+            "--llamacpp",
+            help="Also run llama.cpp (llama-server on the same GGUF files, bound to 127.0.0.1): its target "
+            "alone and its speculative decoding with the draft; speed-ups against it and peak RSS per method.",
+        ),
+    ] = False,
+    llamacpp_bin: Annotated[
+        str | None, typer.Option(help="llama-server, or the folder holding it (default: the PATH).")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Time target, token-level speculative sampling, assisted generation and SemanticSpec (each registered
     probe) on the same questions; speed-ups by mean latency (the paper's) and per output token. With
-    --batch: throughput per batch size (continuous batching), each beside the target at that size."""
+    --llamacpp: llama.cpp beside them. With --batch: throughput per batch size (continuous batching),
+    each beside the target at that size."""
     import json
 
     from semspec.models.names import PROBE_VARIANTS
@@ -194,6 +206,13 @@ def bench(
     also = tuple(dict.fromkeys(gamma[1:])) if gamma else ()
     if also and batch:
         raise typer.BadParameter("one gamma with --batch", param_hint="--gamma")
+    if llamacpp and batch:
+        raise typer.BadParameter("--llamacpp runs with the one-at-a-time table", param_hint="--batch")
+    server = None
+    if llamacpp:
+        from semspec.tasks.llamacpp import find_server
+
+        server = or_exit(lambda: find_server(llamacpp_bin))
     summary, table = or_exit(
         lambda: bench_task.bench(
             params,
@@ -204,6 +223,7 @@ def bench(
             assisted,
             both_salvage,
             also,
+            server,
             **options,
         )
     )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
@@ -17,8 +20,11 @@ from semspec.models.names import PROBE_METHOD, PROBE_VARIANTS, method_label
 from semspec.models.pair import PairConfig
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder, decode_settings
+from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer
 
 log = logging.getLogger(__name__)
+
+LLAMACPP, LLAMACPP_SPEC = "llamacpp", "llamacpp-spec"  # llama.cpp's target alone, and with the draft
 
 
 def bench_methods(
@@ -67,6 +73,7 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
     latency = {m: statistics.mean(r.timings.total for r in rs) for m, rs in results.items()}
     base = statistics.median(per_tok["target"]) if "target" in per_tok else None
     base_latency = latency.get("target")
+    llama_latency = latency.get(LLAMACPP)
     out = {}
     for m, rs in results.items():
         total = sum(r.timings.total for r in rs) or 1.0
@@ -86,6 +93,8 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
             "target_share": statistics.mean(r.target_share for r in rs),
             "prefill_per_output_token": statistics.mean(r.prefill_per_output_token for r in rs),
         }
+        if llama_latency:  # llama.cpp's target alone on the same files and questions
+            out[m]["speedup_vs_llamacpp"] = llama_latency / latency[m] if latency[m] else None
         salvaged = sum(st.salvaged for r in rs for st in r.steps)
         if salvaged:  # target tokens of rejected steps kept from the proposal instead of decoded
             out[m]["salvaged_share"] = salvaged / max(1, sum(r.target_tokens for r in rs))
@@ -105,11 +114,14 @@ def run_bench(
     variants: tuple[str, ...] = PROBE_VARIANTS,
     both_salvage: bool = False,
     also_gammas: tuple[int, ...] = (),
+    extra: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, dict[str, Any]]:
-    """Decode ``n`` arithmetic test questions with every method, rotating the order per question."""
+    """Decode ``n`` arithmetic test questions with every method (and the (label, decoder) pairs in
+    ``extra``: llama.cpp's), rotating the order per question."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     methods, skipped = bench_methods(pair, lms, settings, with_assisted, variants, both_salvage, also_gammas)
+    methods += list(extra)
     questions = [p.question for p in generate_arith(n, "test", seed=seed)]
     results: dict[str, list[DecodeResult]] = {m: [] for m, _ in methods}
     with tqdm(total=n * len(methods), desc="bench", unit="decode") as bar:
@@ -239,6 +251,7 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
         "latency s",
         "x latency",
         "x per tok",
+        "x llama.cpp",
         "draft",
         "verify",
         "target",
@@ -257,6 +270,7 @@ def format_bench(summary: dict[str, dict[str, Any]]) -> str:
         lambda m, s, num: [
             m,
             *(num(s[k]) for k in speed),
+            num(s.get("speedup_vs_llamacpp")),
             *(num(s[k], True) for k in shares),
             *(num(s[k]) for k in rest),
         ],
@@ -272,12 +286,15 @@ def bench(
     with_assisted: bool = True,
     both_salvage: bool = False,
     also_gammas: tuple[int, ...] = (),
+    llamacpp: str | None = None,
     **options: Any,
 ) -> tuple[dict[str, Any], str]:
     """`semspec bench`: load ``pair_name``'s models and time every method on ``n`` questions with the
     evaluation's settings (``options`` replace single fields: the budget, salvage, lookahead, gamma), one
     at a time (SemanticSpec also with each of ``also_gammas``), or per batch size in ``batch``
-    (SemanticSpec with ``variants``). Returns the summary and its table."""
+    (SemanticSpec with ``variants``). With ``llamacpp`` (a ``llama-server`` binary, ``tasks/llamacpp.py``)
+    llama.cpp's target alone and its speculative decoding with the draft run beside them, on the pair's
+    GGUF files. Returns the summary and its table."""
     from semspec.models.lm import load_lm
     from semspec.models.names import ROLES
     from semspec.models.project import load_pair
@@ -288,9 +305,49 @@ def bench(
     settings = decode_settings(params.evaluate, **options)
     for g in also_gammas:
         replace(settings, gamma=g)  # a bad gamma is refused before the models load
+    if llamacpp and batch:
+        raise ValueError("--llamacpp runs with the one-at-a-time table, not with --batch")
+    files = {r: gguf_path(pair.role(r)) for r in ROLES} if llamacpp else {}
     lms = {r: load_lm(pair.role(r)) for r in ROLES}
     if batch:
         summary = run_batch_bench(pair, lms, n, settings, batch, variants)
         return summary, format_batch_bench(summary)
-    summary = run_bench(pair, lms, n, settings, 0, with_assisted, variants, both_salvage, also_gammas)
+    args = (pair, lms, n, settings, 0, with_assisted, variants, both_salvage, also_gammas)
+    if not llamacpp:
+        summary = run_bench(*args)
+        return summary, format_bench(summary)
+    with (
+        LlamaServer(llamacpp, files["target"], threads=torch.get_num_threads()) as alone,
+        LlamaServer(llamacpp, files["target"], files["draft"], threads=torch.get_num_threads()) as spec,
+    ):
+        extra = (
+            (LLAMACPP, LlamaCppDecoder(LLAMACPP, alone, lms["target"], settings)),
+            (LLAMACPP_SPEC, LlamaCppDecoder(LLAMACPP_SPEC, spec, lms["target"], settings)),
+        )
+        summary = run_bench(*args, extra)
+    summary["_llamacpp"] = {
+        "build": alone.version(),
+        "files": f"target {files['target'].name}, draft {files['draft'].name} (as shipped, mmap)",
+        "prompts": "the target's chat-formatted prompt, greedy, the same token budget, no prompt cache",
+    }
+    summary["_peak_rss"] = {
+        "semspec (every semspec method, one process)": f"{peak_rss_gb():.2f} GB",
+        LLAMACPP: f"{alone.peak_rss_gb or float('nan'):.2f} GB",
+        LLAMACPP_SPEC: f"{spec.peak_rss_gb or float('nan'):.2f} GB",
+    }
     return summary, format_bench(summary)
+
+
+def gguf_path(spec: Any) -> Path:
+    """The GGUF file a model spec loads (joined and checked as semspec loads it); ``ValueError`` for a
+    model that is not one, which llama.cpp cannot run."""
+    from semspec.models.weights import resolve_spec
+
+    if not spec.gguf_file:
+        raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")
+    return Path(resolve_spec(spec)) / spec.gguf_file
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set, GB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

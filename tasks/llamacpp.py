@@ -1,0 +1,169 @@
+"""llama.cpp as a baseline in ``semspec bench --llamacpp``: its server on the pair's own GGUF files.
+
+Two ``llama-server`` processes run beside the bench, bound to 127.0.0.1 on free ports: the target alone,
+and the target with the pair's draft (llama.cpp's speculative decoding). Each question goes to them as the
+same chat-formatted prompt semspec's target decodes (the target's chat template, rendered by semspec), with
+the same token budget, greedy (temperature 0) and no prompt cache, and is timed by the bench's clock from
+request to response. Each server's peak resident memory is read from ``/proc`` when it stops. Why a
+server and not llama-cpp-python: the Python binding has no draft-model speculative decoding, which is the
+baseline a CPU user compares against.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from semspec.models.decoding import DecodeResult, DecodeSettings, Timings
+from semspec.models.grading import extract_answer
+from semspec.models.lm import LM
+
+log = logging.getLogger(__name__)
+
+SERVER = "llama-server"
+START_TIMEOUT_S = 180.0
+
+
+def find_server(where: str | None) -> str:
+    """The ``llama-server`` binary: ``where`` (the binary or its folder), else the one on the PATH.
+    Raises ``ValueError`` saying how to get one."""
+    if where:
+        path = Path(where)
+        path = path / SERVER if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"--llamacpp: no {SERVER} at {path}; pass the binary or the folder holding it")
+        return str(path)
+    found = shutil.which(SERVER)
+    if found is None:
+        raise ValueError(
+            f"--llamacpp needs llama.cpp's {SERVER}: build llama.cpp (its `llama-server` target) and put "
+            f"it on the PATH, or pass --llamacpp-bin PATH"
+        )
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServer:
+    """One ``llama-server`` on ``model`` (with ``draft``: speculative decoding), started on entry and
+    stopped on exit; ``complete`` sends it one prompt."""
+
+    def __init__(
+        self, binary: str, model: Path, draft: Path | None = None, threads: int = 2, ctx: int = 4096
+    ):
+        self.binary, self.model, self.draft = binary, model, draft
+        self.port = _free_port()
+        self.cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1"]
+        if draft is not None:
+            self.cmd += ["-md", str(draft)]
+            if "--spec-type" in self._help():  # newer builds pick the draft model's kind explicitly
+                self.cmd += ["--spec-type", "draft-simple"]
+        self.proc: subprocess.Popen | None = None
+        self.peak_rss_gb: float | None = None
+        self._log = b""
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (loopback only)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LlamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-1500:] if self.proc.stderr else ""
+                raise RuntimeError(f"{SERVER} exited ({self.proc.returncode}) while starting: {err}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(
+            f"{SERVER} did not answer /health within {START_TIMEOUT_S:.0f} s: {' '.join(self.cmd)}"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        self.peak_rss_gb = _peak_rss_gb(self.proc.pid)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def complete(self, prompt: str, n_predict: int) -> dict[str, Any]:
+        """llama.cpp's ``/completion`` of ``prompt``: greedy, ``n_predict`` tokens at most, no prompt cache."""
+        body = {
+            "prompt": prompt,
+            "n_predict": n_predict,
+            "temperature": 0.0,
+            "cache_prompt": False,
+            "seed": 0,
+        }
+        resp = httpx.post(f"{self.url}/completion", json=body, timeout=None)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _help(self) -> str:
+        done = subprocess.run([self.binary, "--help"], capture_output=True, text=True, timeout=30)
+        return done.stdout + done.stderr
+
+    def version(self) -> str:
+        """``llama-server --version``'s first line (its build), or ``unknown``."""
+        done = subprocess.run([self.binary, "--version"], capture_output=True, text=True, timeout=30)
+        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
+        return lines[0].removeprefix("version: ") if lines else "unknown"
+
+
+def _peak_rss_gb(pid: int) -> float | None:
+    """The process's peak resident set (``VmHWM``) in GB, or None where ``/proc`` has none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+class LlamaCppDecoder:
+    """A bench method: each question through a ``LlamaServer`` as the target would see it."""
+
+    def __init__(self, method: str, server: LlamaServer, target: LM, settings: DecodeSettings) -> None:
+        self.method, self.server, self.target, self.settings = method, server, target, settings
+
+    def decode(self, question: str) -> DecodeResult:
+        """One greedy completion of ``question``'s prompt, timed from request to response."""
+        prompt = self.target.format_prompt(question)
+        t0 = time.perf_counter()
+        out = self.server.complete(prompt, self.settings.max_new_tokens)
+        wall = time.perf_counter() - t0
+        text = str(out.get("content", ""))
+        res = DecodeResult(self.method, text, extract_answer(text, self.settings.benchmark))
+        res.timings = Timings(target=wall, total=wall, share=wall)
+        res.output_tokens = int(out.get("tokens_predicted", 0))
+        res.finish_reason = "eos" if out.get("stop_type") in ("eos", "word") else "length"
+        timings = out.get("timings") or {}
+        if "draft_n" in timings:
+            res.extra["token_acceptance_rate"] = timings.get("draft_n_accepted", 0) / max(
+                1, timings["draft_n"]
+            )
+        return res

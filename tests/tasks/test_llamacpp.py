@@ -1,0 +1,148 @@
+"""llama.cpp as a bench baseline: its server started on loopback, sent the target's own prompt with the
+bench's budget, timed, stopped with its peak memory read; against a stub server, and against the real
+llama-server where one is on the PATH."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from semspec.models.decoding import DecodeResult, DecodeSettings, Timings
+from semspec.tasks import bench as bench_task
+from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer, find_server
+from tests.helpers.tiny import tiny_lm
+
+STUB = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if "--help" in args:
+    print("--spec-type none,draft-simple"); sys.exit(0)
+if "--version" in args:
+    print("version: 42 (stub)", file=sys.stderr); sys.exit(0)
+if os.environ.get("STUB_FAIL"):
+    print("error: cannot load the model", file=sys.stderr); sys.exit(3)
+log = os.environ["STUB_LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({"argv": args}) + "\n")
+port = int(args[args.index("--port") + 1])
+assert args[args.index("--host") + 1] == "127.0.0.1"
+spec = "-md" in args
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._send({"status": "ok"})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(log, "a") as f:
+            f.write(json.dumps({"request": req, "spec": spec}) + "\n")
+        timings = {"draft_n": 10, "draft_n_accepted": 4} if spec else {}
+        self._send({"content": "So 2 + 4 = 6. The answer is \\boxed{6}.", "tokens_predicted": 7,
+                    "stop_type": "eos", "timings": timings})
+
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch) -> Path:
+    """A ``llama-server`` stand-in on the PATH that logs its arguments and requests."""
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text(f"#!{sys.executable}\n{STUB}")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{binary.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STUB_LOG", str(tmp_path / "log.jsonl"))
+    return binary
+
+
+def _log(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+
+
+def test_the_server_is_found_on_the_path_or_where_it_is_said(stub, tmp_path, monkeypatch):
+    assert find_server(None) == str(stub)
+    assert find_server(str(stub.parent)) == str(stub) == find_server(str(stub))
+    with pytest.raises(ValueError, match="no llama-server at"):
+        find_server(str(tmp_path / "nowhere"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="put it on the PATH, or pass --llamacpp-bin"):
+        find_server(None)
+
+
+def test_each_question_goes_to_the_server_as_the_target_sees_it(stub, tmp_path):
+    lm = tiny_lm()
+    settings = DecodeSettings(max_new_tokens=17, temperature=0.0)
+    model, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    with LlamaServer(str(stub), model, draft, threads=2) as server:
+        pid = server.proc.pid
+        res = LlamaCppDecoder("llamacpp-spec", server, lm, settings).decode("What is 2 + 4?")
+        assert server.version() == "42 (stub)"
+    assert server.proc is None and not Path(f"/proc/{pid}").exists(), "stopped and reaped on exit"
+    assert server.peak_rss_gb is not None and 0 < server.peak_rss_gb < 4
+    argv, request = (e for e in _log(tmp_path))
+    assert argv["argv"][argv["argv"].index("-md") + 1] == str(draft)
+    assert "--spec-type" in argv["argv"], "this build picks the draft's kind explicitly"
+    assert request["request"] == {
+        "prompt": lm.format_prompt("What is 2 + 4?"),
+        "n_predict": 17,
+        "temperature": 0.0,
+        "cache_prompt": False,
+        "seed": 0,
+    }
+    assert res.method == "llamacpp-spec" and res.answer == "6" and res.output_tokens == 7
+    assert res.finish_reason == "eos" and res.timings.total > 0 and res.extra["token_acceptance_rate"] == 0.4
+
+
+def test_a_server_that_cannot_start_says_why(stub, tmp_path, monkeypatch):
+    monkeypatch.setenv("STUB_FAIL", "1")
+    server = LlamaServer(str(stub), tmp_path / "t.gguf")
+    with pytest.raises(RuntimeError, match=r"exited \(3\) while starting: error: cannot load the model"):
+        server.__enter__()
+
+
+def _result(method: str, seconds: float, tokens: int = 10) -> DecodeResult:
+    res = DecodeResult(method, "x", None)
+    res.timings, res.output_tokens = Timings(total=seconds), tokens
+    return res
+
+
+def test_speed_ups_are_given_against_llamacpps_target_too():
+    summary = bench_task.summarize(
+        {
+            "target": [_result("target", 2.0), _result("target", 4.0)],
+            bench_task.LLAMACPP: [_result("llamacpp", 3.0), _result("llamacpp", 3.0)],
+            "semanticspec-all": [_result("semanticspec", 1.0), _result("semanticspec", 2.0)],
+        }
+    )
+    assert summary["semanticspec-all"]["speedup_vs_llamacpp"] == pytest.approx(2.0)
+    assert summary["semanticspec-all"]["speedup_latency"] == pytest.approx(2.0)
+    assert summary["target"]["speedup_vs_llamacpp"] == pytest.approx(1.0)
+    table = bench_task.format_bench(summary)
+    assert "x llama.cpp" in table.splitlines()[0]
+    no_llama = bench_task.summarize({"target": [_result("target", 2.0)]})
+    assert "speedup_vs_llamacpp" not in no_llama["target"]
+
+
+@pytest.mark.skipif(shutil.which("llama-server") is None, reason="needs llama.cpp's llama-server on the PATH")
+@pytest.mark.embedded
+def test_the_real_llama_server_answers_on_the_embedded_target(embedded_pair):
+    from semspec.models.lm import load_lm
+
+    lm = load_lm(embedded_pair.target)
+    settings = DecodeSettings(max_new_tokens=16, temperature=0.0)
+    gguf = bench_task.gguf_path(embedded_pair.target)
+    with LlamaServer(find_server(None), gguf) as server:
+        res = LlamaCppDecoder("llamacpp", server, lm, settings).decode("What is 2 + 4?")
+    assert 0 < res.output_tokens <= 16 and res.text and server.peak_rss_gb > 0
