@@ -16,9 +16,9 @@ evaluation's batching) and prints pass@1 with its 95% interval, the paired diffe
 format, and token agreement with it (the share of its output tokens each problem shares as a prefix,
 and the problems with the same output). The CPU's capability and each model's format are printed beside
 every figure. ``int8-torch`` is int8 with decoding calls through PyTorch's ``_weight_int8pack_mm`` instead
-of semspec's kernel (``models/int8_kernel.py``), to compare the two in one run; a ``-sdpa`` suffix (e.g.
+of semspec's kernel (``models/cpu/int8_kernel.py``), to compare the two in one run; a ``-sdpa`` suffix (e.g.
 ``int8-sdpa``) decodes with transformers' SDPA attention instead of semspec's decode attention
-(``models/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
+(``models/cpu/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
 (the defaults: the 0.5B's and the 1.5B's) and context length. ``split`` decodes with each model in
 ``auto`` and times the parts of each token inside ``LM.forward``: the decode layers' two C calls
 (``layer_in``, ``layer_out``, summed over the layers), decode attention, the output head, and the rest
@@ -38,9 +38,9 @@ from collections.abc import Iterator
 
 import torch
 
-from semspec.models import attention, decode_layer, formats, int4_kernel, int8_kernel
+from semspec.models.cpu import attention, decode_layer, formats, int4_kernel, int8_kernel
+from semspec.models.cpu.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.decoding import DecodeSettings
-from semspec.models.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
 from semspec.models.grading import grade
 from semspec.models.lm import LM, LMState, load_lm
 from semspec.models.project import load_pair
@@ -78,9 +78,11 @@ def decode_bytes(model: torch.nn.Module) -> int:
 
 
 # a format's suffix -> the setting that turns one of semspec's kernels off, to compare in one run
-DENSE_COPY = "int4 dense copy"  # not a variable: int4 with a bfloat16 copy for calls above 8 rows (the old rule)
+DENSE_COPY = (
+    "int4 dense copy"  # not a variable: int4 with a bfloat16 copy for calls above 8 rows (the old rule)
+)
 SUFFIXES = {
-    "-torch": ("SEMSPEC_INT8_KERNEL", "0"),
+    "-torch": ("SEMSPEC_KERNELS", "off"),
     "-sdpa": ("SEMSPEC_DECODE_ATTENTION", "0"),
     "-layer": ("SEMSPEC_DECODE_LAYER", "0"),
     "-plain": ("SEMSPEC_ONEDNN_PACK", "0"),
@@ -90,7 +92,7 @@ SUFFIXES = {
 
 @contextlib.contextmanager
 def kernels_off(env: dict[str, str]) -> Iterator[None]:
-    """semspec's kernels turned off as ``env`` says (e.g. ``{"SEMSPEC_INT8_KERNEL": "0"}``) while inside;
+    """semspec's kernels turned off as ``env`` says (e.g. ``{"SEMSPEC_KERNELS": "off"}``) while inside;
     ``DENSE_COPY`` gives int4 on a CPU with native bfloat16 a dense copy for calls above that many rows."""
     env = dict(env)
     rows = env.pop(DENSE_COPY, None)
@@ -121,7 +123,7 @@ def _reload() -> None:
 
 
 def _split(fmt: str) -> tuple[str, dict[str, str]]:
-    """``int8-torch`` -> (``int8``, {SEMSPEC_INT8_KERNEL: 0}): the format, and the kernels it runs without."""
+    """``int8-torch`` -> (``int8``, {SEMSPEC_KERNELS: off}): the format, and the kernels it runs without."""
     for suffix, (var, value) in SUFFIXES.items():
         if fmt.endswith(suffix):
             return fmt.removesuffix(suffix), {var: value}
@@ -224,7 +226,7 @@ def layer(a: argparse.Namespace) -> None:
     in oneDNN's layout (``onednn_pack``, the quantized formats' dense copy where the CPU has native
     bfloat16); the last two run each int8 kernel at every row count: PyTorch's op on its own layout,
     semspec's on its packed one."""
-    from semspec.models.formats import onednn_linear, onednn_pack, resolve_format
+    from semspec.models.cpu.formats import onednn_linear, onednn_pack, resolve_format
 
     k, n, copies = 1536, 8960, 28
     torch.manual_seed(0)

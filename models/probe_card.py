@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from semspec.models.formats import resolve_format
+from semspec.models.cpu.formats import resolve_format
 from semspec.models.names import ROLES, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of

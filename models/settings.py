@@ -50,7 +50,7 @@ class Settings:
     hub_offline: bool  # HF_HUB_OFFLINE
     gguf_cache: bool  # SEMSPEC_GGUF_CACHE (on): keep GGUF models converted in the cache, to load in seconds
     cxx: str | None  # CXX: the C++ compiler that builds the CPU kernels (default: g++ or c++ on the PATH)
-    int8_kernel: str  # SEMSPEC_INT8_KERNEL: auto (default), avx512, avx2 (that build), 0 (PyTorch's op)
+    kernels: str  # SEMSPEC_KERNELS: auto (default), avx512, avx2 (those builds), off (PyTorch's ops, SDPA)
     decode_attention: str  # SEMSPEC_DECODE_ATTENTION: auto (default; semspec's kernel), 0 (SDPA)
     decode_layer: str  # SEMSPEC_DECODE_LAYER: auto (default; semspec's layer kernel), 0 (the modules)
     onednn_pack: str  # SEMSPEC_ONEDNN_PACK: auto (default; dense copies in oneDNN's layout), 0 (plain)
@@ -73,7 +73,7 @@ class Settings:
             hub_offline=env.get("HF_HUB_OFFLINE", "").lower() in _TRUE,
             gguf_cache=env.get("SEMSPEC_GGUF_CACHE", "1").lower() in _TRUE,
             cxx=env.get("CXX") or None,
-            int8_kernel=_choice(env, "SEMSPEC_INT8_KERNEL", ("auto", "avx512", "avx2", "0")),
+            kernels=_choice(env, "SEMSPEC_KERNELS", ("auto", "avx512", "avx2", "off")),
             decode_attention=_choice(env, "SEMSPEC_DECODE_ATTENTION", ("auto", "0")),
             decode_layer=_choice(env, "SEMSPEC_DECODE_LAYER", ("auto", "0")),
             onednn_pack=_choice(env, "SEMSPEC_ONEDNN_PACK", ("auto", "0")),

@@ -20,9 +20,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from semspec.models import attention, decode_layer, formats, int8_kernel, steps
 from semspec.models import lm as lm_module
-from semspec.models.formats import resolve_format
+from semspec.models import steps
+from semspec.models import cpu
+from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM
 from semspec.models.names import ROLES
 from semspec.models.pair import PairConfig
@@ -85,7 +86,7 @@ def run_cross(
             "model_id": spec.model_id,
             "spec": asdict(spec),
             "format": resolve_format(spec.dtype, spec.device).name,
-            "code_md5": source_md5(lm_module, formats, int8_kernel, attention, decode_layer, steps),
+            "code_md5": source_md5(lm_module, cpu, steps),
             "store_layers": cfg.store_layers,
             "samples_md5": content_md5(source),
             "prefixes_md5": file_md5(Path(prefixes_path)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from semspec.models.formats import resolve_format
+from semspec.models.cpu.formats import resolve_format
 from semspec.tasks.ingest import source_fingerprint
 from semspec.tasks.io import config_hash
 

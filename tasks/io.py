@@ -139,11 +139,17 @@ def ensure_manifest(folder: Path, manifest: dict[str, Any]) -> bool:
 
 def source_md5(*modules: Any) -> str:
     """MD5 over the source files of ``modules``: what code made a stage's shards (a resumed stage must not
-    mix shards of two versions of the code that computes them). A package counts with every module in it."""
+    mix shards of two versions of the code that computes them). A package counts with every module and
+    C++ source in it and its subfolders."""
     h = hashlib.md5()
     for mod in modules:
-        if hasattr(mod, "__path__"):  # a package: its __init__ and every module beside it, in name order
-            files = sorted(p for folder in mod.__path__ for p in Path(folder).glob("*.py"))
+        if hasattr(mod, "__path__"):  # a package: every source in it, in path order
+            files = sorted(
+                p
+                for folder in mod.__path__
+                for p in Path(folder).rglob("*")
+                if p.suffix in (".py", ".cpp", ".h")
+            )
         else:
             files = [Path(mod.__file__)]
         for path in files:

@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from semspec.models import attention, decode_layer, formats, int8_kernel, steps
 from semspec.models import lm as lm_module
-from semspec.models.formats import resolve_format
+from semspec.models import steps
+from semspec.models import cpu
+from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
 from semspec.models.pair import ModelSpec, PairConfig
 from semspec.tasks.config import Params, SampleConfig
@@ -196,9 +197,7 @@ def run_sample(
             "pair": pair.name,
             "model_id": spec.model_id,
             "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
-            "code_md5": source_md5(
-                lm_module, formats, int8_kernel, attention, decode_layer, steps
-            ),  # and shards of other feature code
+            "code_md5": source_md5(lm_module, cpu, steps),  # and shards of other feature code
             "spec": asdict(spec),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),

@@ -10,8 +10,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
-from semspec.models.formats import Format, resolve_format
+from semspec.models.cpu import attention, decode_layer, int4_kernel, int8_kernel
+from semspec.models.cpu.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
 from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages, neutralize, plain_chat
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
@@ -36,8 +36,8 @@ class LM:
         self.spec = spec
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # decoding calls through semspec's kernels
-            attention.use_decode_attention(model)  # one query per row attends (models/attention.py)
-            decode_layer.install(model)  # int8 Llama/Qwen2 layers, whole (models/decode_layer.py)
+            attention.use_decode_attention(model)  # one query per row attends (models/cpu/attention.py)
+            decode_layer.install(model)  # int8 Llama/Qwen2 layers, whole (models/cpu/decode_layer.py)
         # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
         self.format: Format = fmt or _dense_format(model)
         text_cfg = model.config.get_text_config()

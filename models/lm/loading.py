@@ -16,7 +16,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
-from semspec.models.formats import Format, quantize_model, resolve_format
+from semspec.models.cpu.formats import Format, quantize_model, resolve_format
 from semspec.models.lm import weight_cache
 from semspec.models.lm.adapter import LM, dtype_name
 from semspec.models.pair import ModelSpec
@@ -132,7 +132,7 @@ def _save_converted(folder: Path, key: dict, tokenizer, model: PreTrainedModel) 
 
 def load_lm(spec: ModelSpec) -> LM:
     """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF), in the
-    format its ``dtype`` resolves to on this machine (``semspec.models.formats``).
+    format its ``dtype`` resolves to on this machine (``semspec.models.cpu.formats``).
 
     A GGUF model is converted (dequantized to the format's load dtype) once and kept in the cache in the
     Hugging Face format, keyed by the file and the dtype: later loads read that copy, bit for bit the same

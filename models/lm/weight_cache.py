@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from semspec.models import int4_kernel, int8_kernel
-from semspec.models.formats import Format, QuantLinear
+from semspec.models.cpu import int4_kernel, int8_kernel
+from semspec.models.cpu.formats import Format, QuantLinear
 from semspec.models.weights import cache_dir, safe_name
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ import logging
 import pytest
 import torch
 
-from semspec.models import attention, int8_kernel
-from semspec.models.formats import cpu_info
+from semspec.models.cpu import attention, build, int8_kernel
+from semspec.models.cpu.formats import cpu_info
 from semspec.models.settings import reload_settings
 
-BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
+BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
-HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
+HERE = [name for name in int8_kernel.ISAS if build.ISAS[name][1] <= cpu_info().flags]  # builds this CPU runs
 
 
 class _Layer(torch.nn.Module):
@@ -72,7 +72,7 @@ def test_the_kernel_is_attention(fresh, monkeypatch, target, dtype, b, h, kv, d,
     """Each build this CPU runs, grouped and plain heads, head dims and lengths off every vector width, a
     strided key cache, a padding mask (a row attending nowhere gets zeros); float32 to float32's
     rounding, bfloat16 to its own."""
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", target.lower())
+    monkeypatch.setenv("SEMSPEC_KERNELS", target.lower())
     q, k, v, mask = _inputs(b, h, kv, d, t, dtype, masked)
     fns = attention.attention_kernel()
     assert fns is not None

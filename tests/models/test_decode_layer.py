@@ -8,13 +8,13 @@ import logging
 import pytest
 import torch
 
-from semspec.models import attention, decode_layer, int4_kernel, int8_kernel
-from semspec.models.formats import Format, cpu_info, quantize_model
+from semspec.models.cpu import attention, build, decode_layer, int4_kernel, int8_kernel
+from semspec.models.cpu.formats import Format, cpu_info, quantize_model
 from semspec.models.settings import Settings, reload_settings
 
-BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
+BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
-HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
+HERE = [name for name in int8_kernel.ISAS if build.ISAS[name][1] <= cpu_info().flags]  # builds this CPU runs
 INT8 = Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
 INT4 = Format("int4", torch.bfloat16, dense_rows=8, dense_copy=True)
 INT4_RUNS = int4_kernel.CPU_FLAGS.issubset(cpu_info().flags)
@@ -104,7 +104,7 @@ def _generate(lm, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     ids=["one row", "padded", "three rows"],  # three: a pair of rows and a single one per weight block
 )
 def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", build.lower())  # every build this CPU runs
+    monkeypatch.setenv("SEMSPEC_KERNELS", build.lower())  # every build this CPU runs
     reload_settings()
     lm = _int8_lm(arch)
     assert int8_kernel.int8_mm().isa == build
@@ -209,8 +209,8 @@ def test_off_or_unbuildable_the_modules_decode(monkeypatch, caplog):
         raise RuntimeError("g++ failed to build the decode_layer kernel: boom")
 
     assert int8_kernel.int8_mm() is not None  # built before: only the layer kernel's build fails
-    monkeypatch.setattr(int8_kernel, "build", broken)
-    with caplog.at_level(logging.WARNING, logger=decode_layer.__name__):
+    monkeypatch.setattr(build, "build", broken)
+    with caplog.at_level(logging.WARNING):
         assert decode_layer.layer_kernel() is None
     assert "decode layer kernel off: g++ failed" in caplog.text
     with pytest.raises(ValueError, match="SEMSPEC_DECODE_LAYER"):

@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
-from semspec.models import formats
-from semspec.models.formats import (
+from semspec.models.cpu import formats
+from semspec.models.cpu.formats import (
     CpuInfo,
     Format,
     QuantLinear,
@@ -82,7 +82,7 @@ def test_explicit_formats_are_kept_and_bfloat16_without_native_support_says_so()
 
 
 def test_the_flags_come_from_proc_cpuinfo(tmp_path):
-    from semspec.models.formats import _cpu_flags
+    from semspec.models.cpu.formats import _cpu_flags
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\nflags\t\t: fpu AVX2 avx512_bf16 amx_tile\nbugs : none\n")

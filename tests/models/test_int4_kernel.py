@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from semspec.models import int4_kernel, int8_kernel
-from semspec.models.formats import Format, QuantLinear, _dequantize, cpu_info, quantize_int4
+from semspec.models.cpu import build, int4_kernel
+from semspec.models.cpu.formats import Format, QuantLinear, _dequantize, cpu_info, quantize_int4
 
-RUNS = int4_kernel.CPU_FLAGS.issubset(cpu_info().flags) and int8_kernel.compiler() is not None
+RUNS = int4_kernel.CPU_FLAGS.issubset(cpu_info().flags) and build.compiler() is not None
 needs_kernel = pytest.mark.skipif(not RUNS, reason="needs an AVX512_BF16 CPU and a C++ compiler")
 INT4 = Format("int4", torch.bfloat16, dense_rows=8, dense_copy=True)
 
@@ -116,7 +116,7 @@ def test_a_packed_layer_turned_off_after_loading_still_multiplies(fresh, monkeyp
 
 def test_without_the_kernel_int4_keeps_pytorchs_layout(fresh, monkeypatch):
     """Turned off (or a CPU without AVX512_BF16): PyTorch's packing and op, the same products."""
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", "0")
+    monkeypatch.setenv("SEMSPEC_KERNELS", "off")
     from semspec.models.settings import reload_settings
 
     reload_settings()
@@ -128,7 +128,7 @@ def test_without_the_kernel_int4_keeps_pytorchs_layout(fresh, monkeypatch):
         y = layer(torch.randn(2, 64).to(torch.bfloat16))
         assert y.shape == (2, 32) and torch.isfinite(y.float()).all()
     finally:
-        monkeypatch.delenv("SEMSPEC_INT8_KERNEL")
+        monkeypatch.delenv("SEMSPEC_KERNELS")
         reload_settings()
 
 
@@ -137,14 +137,14 @@ def test_a_failed_build_is_off_with_a_warning(fresh, monkeypatch, caplog):
     def broken(*a, **kw):
         raise RuntimeError("g++ failed to build the int4_mm kernel: boom")
 
-    monkeypatch.setattr(int8_kernel, "build", broken)
-    with caplog.at_level(logging.WARNING, logger=int4_kernel.__name__):
+    monkeypatch.setattr(build, "build", broken)
+    with caplog.at_level(logging.WARNING):
         assert int4_kernel.int4_mm() is None
     assert "int4 kernel off: g++ failed" in caplog.text
 
 
 def test_an_int4_model_says_which_kernel_decodes(fresh):
-    from semspec.models.formats import quantize_model
+    from semspec.models.cpu.formats import quantize_model
     from semspec.models.lm import LM
     from tests.helpers.tiny import tiny_lm
 

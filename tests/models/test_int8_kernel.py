@@ -8,12 +8,12 @@ import logging
 import pytest
 import torch
 
-from semspec.models import int8_kernel
-from semspec.models.formats import Format, QuantLinear, cpu_info, quantize_model
+from semspec.models.cpu import build, int8_kernel
+from semspec.models.cpu.formats import Format, QuantLinear, cpu_info, quantize_model
 
-BUILDABLE = int8_kernel.isa(cpu_info().flags) is not None and int8_kernel.compiler() is not None
+BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
-HERE = [name for name in int8_kernel.ISAS if int8_kernel.isa(cpu_info().flags, name)]  # builds this CPU runs
+HERE = [name for name in int8_kernel.ISAS if build.ISAS[name][1] <= cpu_info().flags]  # builds this CPU runs
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_the_kernel_is_the_int8_product(fresh, monkeypatch, target, dtype, m, k,
     """Each build this CPU runs, on the smallest packed shape, odd row counts (pairs of rows and a single
     one), K not a multiple of 32 or 64, the Qwen layers' own and a prompt's many rows; float32 to float32's
     rounding, bfloat16 to one bfloat16 rounding."""
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", target.lower())
+    monkeypatch.setenv("SEMSPEC_KERNELS", target.lower())
     kernel = int8_kernel.int8_mm()
     assert kernel is not None and kernel.isa == target
     torch.manual_seed(m * k + n)
@@ -64,29 +64,9 @@ def test_it_agrees_with_pytorchs_op_on_a_model_layer(fresh):
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < 2e-2  # both round to bfloat16
 
 
-@needs_build
-def test_it_is_built_once_and_kept(fresh):
-    cxx = int8_kernel.compiler()
-    lib = int8_kernel.build(cxx, fresh, "AVX2")
-    stamp = lib.stat().st_mtime_ns
-    assert int8_kernel.build(cxx, fresh, "AVX2") == lib and lib.stat().st_mtime_ns == stamp
-    assert [p.name for p in fresh.iterdir()] == [lib.name], "no temporary left beside it"
-
-
-def test_the_build_is_the_best_instruction_set_the_cpu_has():
-    avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx2", "fma", "avx512f", "avx512bw"})
-    assert int8_kernel.isa(avx512) == "AVX512" and int8_kernel.isa(avx2) == "AVX2"
-    assert int8_kernel.isa(avx512, "avx2") == "AVX2", "a smaller build on a bigger CPU, to measure it"
-    assert int8_kernel.isa(avx2, "AVX512") is None and int8_kernel.isa(frozenset({"sse4_2"})) is None
-    with pytest.raises(
-        ValueError, match=r"SEMSPEC_INT8_KERNEL must be 0, auto or one of \['avx512', 'avx2'\]"
-    ):
-        int8_kernel.isa(avx2, "neon")
-
-
 def test_a_failed_build_falls_back_to_pytorch_with_a_warning(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")  # a compiler that fails at once
-    with caplog.at_level(logging.WARNING, logger=int8_kernel.__name__):
+    with caplog.at_level(logging.WARNING):
         got = int8_kernel.int8_mm()
     assert got is None
     assert "int8 kernel off" in caplog.text and "_weight_int8pack_mm decodes" in caplog.text
@@ -100,7 +80,7 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_warning(fresh, monkeypatch,
 
 
 def test_it_can_be_turned_off(fresh, monkeypatch):
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", "0")
+    monkeypatch.setenv("SEMSPEC_KERNELS", "off")
     assert int8_kernel.int8_mm() is None
 
 
@@ -182,10 +162,10 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
 
 
 def test_a_build_the_cpu_cannot_run_is_off_and_says_which(fresh, monkeypatch, caplog):
-    from semspec.models import formats
+    from semspec.models.cpu import formats
 
     monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX2", frozenset({"avx2", "fma"})))
-    monkeypatch.setenv("SEMSPEC_INT8_KERNEL", "avx512")
+    monkeypatch.setenv("SEMSPEC_KERNELS", "avx512")
     with caplog.at_level(logging.WARNING, logger=int8_kernel.__name__):
         assert int8_kernel.int8_mm() is None
     assert "the CPU lacks what the avx512 build needs" in caplog.text

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from semspec.models.formats import Format, QuantLinear, quantize_model
+from semspec.models.cpu.formats import Format, QuantLinear, quantize_model
 from semspec.models.lm import weight_cache
 from semspec.models.settings import reload_settings
 from tests.helpers.tiny import char_tokenizer, tiny_llama

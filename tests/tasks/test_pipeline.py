@@ -747,7 +747,7 @@ def test_champion_status_tracks_config_and_data(stages, trained, monkeypatch):
         draft=dataclasses.replace(pair.draft, dtype="auto"),
         target=dataclasses.replace(pair.target, dtype="auto"),
     )
-    from semspec.models import formats
+    from semspec.models.cpu import formats
 
     monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX2", frozenset({"avx2"})))
     avx2 = pipeline_fingerprint(params, auto)

@@ -1,6 +1,6 @@
 """A decoder layer's decoding call in two C++ calls instead of ~100 small PyTorch ones.
 
-With the int8 kernel (``models/int8_kernel.py``) and the decode attention (``models/attention.py``) in
+With the int8 kernel (``models/cpu/int8_kernel.py``) and the decode attention (``models/cpu/attention.py``) in
 place, a decode token still spends a large share of its time outside them: some 2,300 PyTorch calls per
 token, each a microsecond or two of dispatch, plus the Python of transformers' modules around them
 (RMSNorm's casts, rotary's ``cat``, seven quantized linears, the MLP's activation and product, two
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from semspec.models import attention, int4_kernel, int8_kernel
-from semspec.models.formats import QuantLinear
+from semspec.models.cpu import attention, build, int4_kernel, int8_kernel
+from semspec.models.cpu.formats import QuantLinear
 from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
@@ -53,155 +53,8 @@ log = logging.getLogger(__name__)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # the layer classes whose forward this reproduces
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")  # weight * bf16(x * rsqrt(mean(x^2) + eps))
 
-# the layer's products, per weight kind: qlinear (one projection, bias and bfloat16 rounding as a
-# QuantLinear) and gate_up (RMSNorm's output -> bf16(SiLU(gate) * up), the two products fused per block)
-INT8_PRODUCTS = r"""
-#include <math.h>
-#include <vector>
-
-static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }  // a bfloat16 op's rounding
-
-// y (M, N), bfloat16 values in float32 = bf16(bf16(x (M, K) @ q (N, K)^T * scale) + bias), as a
-// QuantLinear computes it (bias may be null)
-static void qlinear(const float* x, int64_t M, int64_t K, const void* qv, const uint16_t* scales,
-                    const uint16_t* bias, int64_t N, float* y, int threads) {
-  int8_mm(x, M, K, (const int8_t*)qv, [=](int64_t n) { return bf16_to_f32(scales[n]); }, N,
-          [=](int64_t i, float v) { y[i] = bias ? rb(rb(v) + bf16_to_f32(bias[i % N])) : rb(v); }, threads);
-}
-
-static void gate_up(const float* px, int64_t M, int64_t H, const void* gwv, const uint16_t* gs,
-                    const void* uwv, const uint16_t* us, int64_t I, float* pa, int threads) {
-  const int8_t* gw = (const int8_t*)gwv;
-  const int8_t* uw = (const int8_t*)uwv;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < I / PJ; ++b) {  // one packed block of gate and of up channels
-    float g[PJ], u[PJ];
-    for (int64_t m = 0; m < M; ++m) {
-      dot_block<1>(px + m * H, H, gw + b * PJ * H, g);
-      dot_block<1>(px + m * H, H, uw + b * PJ * H, u);
-      for (int j = 0; j < PJ; ++j) {
-        const int64_t n = b * PJ + j;
-        const float gv = rb(g[j] * bf16_to_f32(gs[n])), uv = rb(u[j] * bf16_to_f32(us[n]));
-        pa[m * I + n] = rb(rb(gv / (1.f + expf(-gv))) * uv);
-      }
-    }
-  }
-}
-"""
-
-INT4_PRODUCTS = r"""
-#include <math.h>
-#include <vector>
-
-static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }  // a bfloat16 op's rounding
-
-// x (M, K) float32 holding bfloat16 values -> its bfloat16 copy and group sums, the int4 kernel's inputs
-struct Int4Input {
-  std::vector<uint16_t> x;
-  std::vector<float> sums;
-  Int4Input(const float* xf, int64_t M, int64_t K) : x(M * K), sums(M * (K / GROUP)) {
-    for (int64_t i = 0; i < M * K; ++i) x[i] = f32_to_bf16(xf[i]);
-    group_sums(x.data(), M, K, sums.data());
-  }
-};
-
-// y (M, N), bfloat16 values in float32 = bf16(bf16(x (M, K) @ w^T) + bias), as a QuantLinear computes it
-static void qlinear(const float* x, int64_t M, int64_t K, const void* q, const uint16_t* sz,
-                    const uint16_t* bias, int64_t N, float* y, int threads) {
-  const Int4Input in(x, M, K);
-  int4_mm(in.x.data(), in.sums.data(), M, K, (const uint8_t*)q, sz, N,
-          [=](int64_t i, float v) { y[i] = bias ? rb(rb(v) + bf16_to_f32(bias[i % N])) : rb(v); }, threads);
-}
-
-static void gate_up(const float* px, int64_t M, int64_t H, const void* gw, const uint16_t* gs,
-                    const void* uw, const uint16_t* us, int64_t I, float* pa, int threads) {
-  const Int4Input in(px, M, H);
-  const uint16_t* xb = in.x.data();
-  const float* sums = in.sums.data();
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < I / BLOCK; ++b) {  // one packed block of gate and of up channels
-    float g[RMAX * BLOCK], u[RMAX * BLOCK];
-    for (int64_t r = 0; r < M; r += RMAX) {
-      const int64_t rows = M - r < RMAX ? M - r : RMAX;
-      block_rows(xb, r, rows, H, (const uint8_t*)gw, gs, sums, b, g);
-      block_rows(xb, r, rows, H, (const uint8_t*)uw, us, sums, b, u);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int c = 0; c < BLOCK; ++c) {
-          const float gv = rb(g[i * BLOCK + c]), uv = rb(u[i * BLOCK + c]);
-          pa[(r + i) * I + b * BLOCK + c] = rb(rb(gv / (1.f + expf(-gv))) * uv);
-        }
-    }
-  }
-}
-"""
-
-LAYER = r"""
-// transformers' RMSNorm of bfloat16 rows: weight * bf16(x * rsqrt(mean(x^2) + eps)), rounded
-static void rms_norm(const float* x, int64_t M, int64_t H, const uint16_t* w, float eps, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = x + m * H;
-    double ss = 0.0;
-    for (int64_t i = 0; i < H; ++i) ss += (double)(r[i] * r[i]);
-    const float inv = 1.f / sqrtf((float)(ss / (double)H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[m * H + i] = rb(bf16_to_f32(w[i]) * rb(r[i] * inv));
-  }
-}
-
-// rotary positions in place on t (M, heads * D): bf16(bf16(t * cos) + bf16(rotate_half(t) * sin)), with
-// cos and sin (M, D) in bfloat16 (transformers' apply_rotary_pos_emb)
-static void rope(float* t, int64_t M, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
-  std::vector<float> tmp(D);
-  const int64_t half = D / 2;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = t + (m * heads + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float rot = d < half ? -v[d + half] : v[d - half];
-        tmp[d] = rb(rb(v[d] * bf16_to_f32(cos[m * D + d])) + rb(rot * bf16_to_f32(sin[m * D + d])));
-      }
-      memcpy(v, tmp.data(), sizeof(float) * D);
-    }
-}
-
-// x (M, H) -> q (M, n[0]), k (M, n[1]), v (M, n[2]) in bfloat16: RMSNorm, the three products, rotary
-// positions on q and k (head dim D)
-extern "C" void semspec_layer_in(const uint16_t* x, int64_t M, int64_t H, const uint16_t* norm, float eps,
-                                 const void* const* w, const uint16_t* const* s, const uint16_t* const* b,
-                                 const int64_t* n, const uint16_t* cos, const uint16_t* sin, int64_t D,
-                                 uint16_t* const* out, int threads) {
-  std::vector<float> xf(M * H), xn(M * H);
-  for (int64_t i = 0; i < M * H; ++i) xf[i] = bf16_to_f32(x[i]);
-  rms_norm(xf.data(), M, H, norm, eps, xn.data());
-  for (int j = 0; j < 3; ++j) {
-    std::vector<float> y(M * n[j]);
-    qlinear(xn.data(), M, H, w[j], s[j], b[j], n[j], y.data(), threads);
-    if (j < 2) rope(y.data(), M, n[j] / D, D, cos, sin);
-    for (int64_t i = 0; i < M * n[j]; ++i) out[j][i] = f32_to_bf16(y[i]);
-  }
-}
-
-// attention output a (M, A) and the layer's input x (M, H) -> the layer's output (M, H): the output
-// product, the residual, RMSNorm, SiLU(gate) * up (I wide), the down product, the residual
-extern "C" void semspec_layer_out(const uint16_t* a, const uint16_t* x, int64_t M, int64_t H, int64_t A,
-                                  const void* ow, const uint16_t* os, const uint16_t* norm, float eps,
-                                  const void* gw, const uint16_t* gs, const void* uw, const uint16_t* us,
-                                  int64_t I, const void* dw, const uint16_t* ds, uint16_t* out,
-                                  int threads) {
-  std::vector<float> af(M * A), o(M * H), xn(M * H), act(M * I), d(M * H);
-  for (int64_t i = 0; i < M * A; ++i) af[i] = bf16_to_f32(a[i]);
-  qlinear(af.data(), M, A, ow, os, nullptr, H, o.data(), threads);
-  for (int64_t i = 0; i < M * H; ++i) o[i] = rb(bf16_to_f32(x[i]) + o[i]);  // the residual stream
-  rms_norm(o.data(), M, H, norm, eps, xn.data());
-  gate_up(xn.data(), M, H, gw, gs, uw, us, I, act.data(), threads);
-  qlinear(act.data(), M, I, dw, ds, nullptr, H, d.data(), threads);
-  for (int64_t i = 0; i < M * H; ++i) out[i] = f32_to_bf16(o[i] + d[i]);
-}
-"""
-# the sources built, per bits of the weights: a kernel's own source, its products, the layer
-SOURCES = {
-    8: int8_kernel.SOURCE + INT8_PRODUCTS + LAYER,
-    4: int4_kernel.SOURCE + INT4_PRODUCTS + LAYER,
-}
+# the sources built, per bits of the weights (csrc/): the kernel's own source, its products, the layer
+SOURCES = {8: "decode_layer_int8.cpp", 4: "decode_layer_int4.cpp"}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PTRS3, _INTS3 = _P * 3, _I64 * 3
@@ -222,18 +75,10 @@ def layer_kernel(bits: int = 8) -> tuple[Callable, Callable] | None:
     if settings().decode_layer == "0":
         return None
     kernel = int8_kernel.int8_mm() if bits == 8 else int4_kernel.int4_mm()
-    cxx = int8_kernel.compiler()
-    if kernel is None or cxx is None:
-        log.warning("decode layer kernel off (no int%d kernel or compiler): the modules decode, slower", bits)
-        return None
-    flags = None if bits == 8 else int4_kernel.FLAGS
-    try:
-        lib = int8_kernel.build(
-            cxx, settings().cache_dir / "kernels", kernel.isa, f"decode_layer{bits}", SOURCES[bits], flags
-        )
-        dll = ctypes.CDLL(str(lib))
-    except (RuntimeError, OSError) as err:
-        log.warning("decode layer kernel off: %s; the modules decode, slower", err)
+    if kernel is None:
+        return None  # that kernel said why it is off
+    dll = build.load(f"decode_layer{bits}", SOURCES[bits], kernel.isa, "decode layer", "the modules decode")
+    if dll is None:
         return None
     fin, fout = dll.semspec_layer_in, dll.semspec_layer_out
     fin.argtypes, fin.restype = _IN_ARGS, None

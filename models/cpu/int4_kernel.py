@@ -16,33 +16,28 @@ Calls of up to 3 rows (decoding) stream each weight once, at the memory bandwidt
 dequantized weight across the rows: within ~1.2x of oneDNN's bfloat16 GEMM of a dense copy of the weights
 on CPUs without AMX, so the int4 format keeps no such copy there (``formats.resolve_format``).
 
-Built like the int8 kernel (``int8_kernel.build``: the system's C++ compiler, once per source and flags,
-into the cache folder); where the CPU lacks AVX512_BF16 or the build fails, ``int4_mm`` returns None and
-int4 layers keep PyTorch's op. ``SEMSPEC_INT8_KERNEL=0`` turns it off too (one switch for semspec's
-kernels)."""
+Built and loaded by ``build.load``; where the CPU lacks AVX512_BF16, the build fails or
+``SEMSPEC_KERNELS`` is ``off`` or ``avx2``, ``int4_mm`` returns None and int4 layers keep PyTorch's op."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
-from semspec.models import int8_kernel
-from semspec.models.settings import settings
+from semspec.models.cpu import build
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # input channels per scale and zero
 BLOCK = 16  # output channels per packed block (one per float32 lane of a 512-bit vector)
-ISA = "AVX512_BF16"
-FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+ISA = "AVX512_BF16"  # its one build (models/cpu/build.py)
+CPU_FLAGS = build.ISAS[ISA][1]
 GEMM_ROWS = 4  # calls of this many rows or more run the kernel's tiles (many rows: no dense copy needed)
 
-SOURCE = (Path(__file__).parent / "csrc" / "int4.cpp").read_text()  # the kernel, C++
+SOURCE = "int4.cpp"  # in csrc/
 
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -108,21 +103,14 @@ class _Kernel:
 
 @functools.cache
 def int4_mm() -> _Kernel | None:
-    """The kernel, or None where it is off (``SEMSPEC_INT8_KERNEL=0``), the CPU lacks AVX512_BF16 or no
-    compiler builds it (then PyTorch's ``_weight_int4pack_mm_for_cpu`` serves). Built once per process."""
-    from semspec.models.formats import cpu_info  # the CPU flags are read once, there
+    """The kernel, or None where it is off (``SEMSPEC_KERNELS`` off or avx2), the CPU lacks AVX512_BF16 or
+    no compiler builds it (then PyTorch's ``_weight_int4pack_mm_for_cpu`` serves). Built once per process."""
+    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
 
-    if settings().int8_kernel == "0" or not CPU_FLAGS.issubset(cpu_info().flags):
+    if build.isa(cpu_info().flags, (ISA,)) is None:
         return None
-    cxx = int8_kernel.compiler()
-    if cxx is None:
-        log.warning("int4 kernel off (no C++ compiler): PyTorch's int4 op decodes, slower")
-        return None
-    try:
-        lib = int8_kernel.build(cxx, settings().cache_dir / "kernels", ISA, "int4_mm", SOURCE, FLAGS)
-        dll = ctypes.CDLL(str(lib))
-    except (RuntimeError, OSError) as err:
-        log.warning("int4 kernel off: %s; PyTorch's int4 op decodes, slower", err)
+    dll = build.load("int4_mm", SOURCE, ISA, "int4", "PyTorch's int4 op decodes")
+    if dll is None:
         return None
     fn = dll.semspec_int4_mm_bf16
     fn.argtypes, fn.restype = _ARGS, None

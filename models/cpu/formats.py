@@ -4,11 +4,11 @@ A model spec's ``dtype`` names a format:
 
 * ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
 * ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
-  activations; int8 calls through semspec's kernel (``models/int8_kernel.py``, near the memory bandwidth,
+  activations; int8 calls through semspec's kernel (``models/cpu/int8_kernel.py``, near the memory bandwidth,
   on weights packed for it) where it runs and the shape fits its layout, else through
   ``torch.ops.aten._weight_int8pack_mm``;
 * ``int4``: weight-only int4 linear layers (asymmetric, one scale and zero per 32 input channels),
-  bfloat16 activations; int4 calls through semspec's int4 kernel (``models/int4_kernel.py``, on weights
+  bfloat16 activations; int4 calls through semspec's int4 kernel (``models/cpu/int4_kernel.py``, on weights
   packed for it) where the CPU has AVX512_BF16, else through ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 * ``auto``: the fastest correct format for the device (``resolve_format``, a documented rule).
 
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from semspec.models import int4_kernel, int8_kernel
+from semspec.models.cpu import int4_kernel, int8_kernel, ops
 from semspec.models.settings import settings
 
 log = logging.getLogger(__name__)
@@ -368,15 +368,13 @@ class QuantLinear(nn.Module):
         if self.bits == 4:
             if not self.packed:
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
-            kernel = int4_kernel.int4_mm()
-            if kernel is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
-                return kernel(x, self.qweight, self.scales)  # (M, N), at the memory bandwidth for few rows
+            if int4_kernel.int4_mm() is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+                return ops.int4_mm(x, self.qweight, self.scales)  # (M, N): the kernel, its inputs checked
             q, sz = int4_kernel.unpack(self.qweight, self.scales)  # the kernel was turned off since loading
             return nn.functional.linear(x.float(), _dequantize(q, sz.float())).to(x.dtype)
-        if self.packed and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
-            kernel = int8_kernel.int8_mm()  # None only if turned off since loading: PyTorch's op serves
-            if kernel is not None:
-                return kernel(x, self.qweight, self.scales)  # (M, N), at the memory bandwidth for few rows
+        cpu_ok = self.packed and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+        if cpu_ok and int8_kernel.int8_mm() is not None:  # None only if turned off since loading
+            return ops.int8_mm(x, self.qweight, self.scales)  # (M, N): the kernel, its inputs checked
         return torch.ops.aten._weight_int8pack_mm(x, self.int8_weight(), self.scales)  # (M, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,22 +7,10 @@
 // * sum(x). Few rows (decoding) stream the weights once at the memory bandwidth (block<R>); many rows (a
 // prompt, a step's verification) run a register tile of 8 rows x 32 channels (tile<R, NB>) that reuses
 // each dequantized weight across the rows, so no dense copy of the weights is needed for them.
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "simd.h"
 
 enum { GROUP = 32, BLOCK = 16, CHUNKS = GROUP / 4, RMAX = 4, PREFETCH = 2048, TILE_ROWS = 8, GEMM_ROWS = 4 };
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u; memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 static inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }

@@ -1,0 +1,122 @@
+"""Building and loading semspec's CPU kernels: one function for every kernel and instruction set.
+
+The kernels are C++ sources in ``csrc/`` (``simd.h`` holds what they share: bfloat16 conversions and the
+float32 vector type of the build). ``load`` compiles one of them with the system's C++ compiler (``$CXX``,
+else ``g++`` or ``c++``) for an instruction set, into ``kernels/`` of the cache folder
+(``$SEMSPEC_CACHE_DIR``, default ``~/.cache/semspec``), and loads it with ctypes. A build is keyed by
+every source in ``csrc/``, the flags and the compiler's identity (its path and ``--version``), written
+under a temporary name and renamed when whole; a new build removes the older ones of the same kernel and
+instruction set. OpenMP threads come from the runtime torch already loaded (one ``libgomp.so.1``, so the
+kernels and torch share a thread pool).
+
+``SEMSPEC_KERNELS`` is the one switch: ``auto`` (default, the best build the CPU runs), ``avx512`` or
+``avx2`` (that build, e.g. AVX2 on an AVX-512 CPU to measure or test it; kernels that need AVX-512 are
+off under ``avx2``) or ``off`` (PyTorch's ops and SDPA everywhere). Calls into the kernels go through
+``ops`` (torch operators that check shapes, dtypes and layouts first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from semspec.models.settings import settings
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# instruction sets, best first: the compiler flags and the /proc/cpuinfo flags each needs
+ISAS = {
+    "AVX512_BF16": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    ),
+    "AVX512": (("-mavx512f", "-mavx2", "-mfma"), frozenset({"avx512f", "avx2", "fma"})),
+    "AVX2": (("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
+}
+SWITCH = {"auto": None, "avx512": ("AVX512_BF16", "AVX512"), "avx2": ("AVX2",), "off": ()}
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
+    return settings().cxx or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.cache
+def _compiler_id(cxx: str) -> str:
+    """``cxx --version``'s first line: a new compiler makes new builds."""
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (done.stdout.splitlines() or ["unknown"])[0]
+
+
+def sources_digest() -> str:
+    """SHA-256 over every file in ``csrc/`` (names and bytes): any change there makes new builds."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def isa(flags: frozenset[str], among: tuple[str, ...] = tuple(ISAS)) -> str | None:
+    """The best instruction set of ``among`` that ``SEMSPEC_KERNELS`` allows and CPU ``flags`` have, or
+    None (the kernel is off)."""
+    allowed = SWITCH[settings().kernels]
+    names = [n for n in among if allowed is None or n in allowed]
+    return next((n for n in names if ISAS[n][1] <= flags), None)
+
+
+def cpu_lacks() -> str:
+    """Why ``isa`` found no build, for a warning: the CPU lacks AVX2/FMA, or what the switch's build needs."""
+    wanted = settings().kernels
+    return "the CPU lacks AVX2/FMA" if wanted == "auto" else f"the CPU lacks what the {wanted} build needs"
+
+
+def build(cxx: str, folder: Path, target: str, name: str, source: str) -> Path:
+    """Compile ``csrc/<source>`` for instruction set ``target`` (a name in ``ISAS``) with ``cxx`` into
+    ``folder`` as library ``name`` (once per key: the sources, the flags, the compiler) and return its
+    path. Raises ``RuntimeError`` with the compiler's message when the build fails."""
+    flags = (*FLAGS, *ISAS[target][0])
+    key_text = "\n".join((sources_digest(), source, *flags, cxx, _compiler_id(cxx)))
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    stem = f"{name}-{target.lower()}"
+    lib = folder / f"{stem}-{key}.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *flags, "-I", str(CSRC), str(CSRC / source), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build the {name} kernel:\n{done.stderr.strip()[-2000:]}")
+        out.replace(lib)  # atomic: a concurrent build of the same key writes the same bytes
+    for stale in folder.glob(f"{stem}-*.so"):
+        if stale != lib:
+            stale.unlink(missing_ok=True)
+    return lib
+
+
+def load(name: str, source: str, target: str, what: str, instead: str) -> ctypes.CDLL | None:
+    """Build (where needed) and load kernel ``name`` from ``csrc/<source>`` for ``target``; None where no
+    compiler is found or the build fails, with a warning that the ``what`` kernel is off and ``instead``
+    runs (e.g. ``int4``, ``PyTorch's int4 op decodes``)."""
+    cxx = compiler()
+    if cxx is None:
+        log.warning("%s kernel off (no C++ compiler: $CXX, g++, c++): %s, slower", what, instead)
+        return None
+    try:
+        return ctypes.CDLL(str(build(cxx, settings().cache_dir / "kernels", target, name, source)))
+    except (RuntimeError, OSError) as err:
+        log.warning("%s kernel off: %s; %s, slower", what, err, instead)
+        return None
