@@ -46,8 +46,8 @@ def _int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Te
     """(x (M, K) @ w.T) * scales -> (M, N) in x's dtype, for ``int8_kernel.pack``'s q (N/8, K/16, 8, 16)."""
     _check_x("int8_mm", x, (torch.bfloat16, torch.float32))
     j, c = int8_kernel.PACK
-    _check_packed("int8_mm", q, "q", torch.int8, (None, x.shape[1] // c, j, c))
     _require(x.shape[1] % c == 0, "int8_mm", f"K must be a multiple of {c}, got {x.shape[1]}")
+    _check_packed("int8_mm", q, "q", torch.int8, (None, x.shape[1] // c, j, c))
     _check_packed("int8_mm", scales, "scales", x.dtype, (q.shape[0] * j,))
     kernel = int8_kernel.int8_mm()
     if kernel is None:
