@@ -79,6 +79,7 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
         total = sum(r.timings.total for r in rs) or 1.0
         med = statistics.median(per_tok[m])
         acc = [r.acceptance_rate for r in rs if r.acceptance_rate is not None]
+        stepped = any(r.steps for r in rs)
         out[m] = {
             "ms_per_token": 1000 * med,
             "latency_s": latency[m],
@@ -90,8 +91,11 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
             "share_target": sum(r.timings.target for r in rs) / total,
             "share_probe": sum(r.timings.probe for r in rs) / total,
             "step_acceptance": statistics.mean(acc) if acc else None,
-            "target_share": statistics.mean(r.target_share for r in rs),
-            "prefill_per_output_token": statistics.mean(r.prefill_per_output_token for r in rs),
+            # step figures: none for a method that writes no steps (llama.cpp's)
+            "target_share": statistics.mean(r.target_share for r in rs) if stepped else None,
+            "prefill_per_output_token": statistics.mean(r.prefill_per_output_token for r in rs)
+            if stepped
+            else None,
         }
         if llama_latency:  # llama.cpp's target alone on the same files and questions
             out[m]["speedup_vs_llamacpp"] = llama_latency / latency[m] if latency[m] else None

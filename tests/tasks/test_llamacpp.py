@@ -129,6 +129,7 @@ def test_speed_ups_are_given_against_llamacpps_target_too():
     assert summary["semanticspec-all"]["speedup_vs_llamacpp"] == pytest.approx(2.0)
     assert summary["semanticspec-all"]["speedup_latency"] == pytest.approx(2.0)
     assert summary["target"]["speedup_vs_llamacpp"] == pytest.approx(1.0)
+    assert summary[bench_task.LLAMACPP]["target_share"] is None, "no steps: no step figures"
     table = bench_task.format_bench(summary)
     assert "x llama.cpp" in table.splitlines()[0]
     no_llama = bench_task.summarize({"target": [_result("target", 2.0)]})
