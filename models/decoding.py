@@ -41,7 +41,7 @@ from semspec.models.lm import (
     crop_to,
     fits_window,
 )
-from semspec.models.names import FLOOR_AUTO, ROLES, SEMANTICSPEC_RULES
+from semspec.models.names import FLOOR_AUTO, GAMMA_AUTO, ROLES, SEMANTICSPEC_RULES
 
 
 class MethodNotApplicable(ValueError):
@@ -50,6 +50,20 @@ class MethodNotApplicable(ValueError):
 
 
 MIN_TEMPERATURE = 1e-3  # a temperature below this decodes greedily
+GAMMA_MAX = 4  # the most steps per round ``gamma_for`` picks
+GAMMA_WHOLE = 0.5  # gamma_for: the longest round accepted whole at least this often
+
+
+def gamma_for(accept_rate: float | None) -> int:
+    """SemanticSpec's steps per round for a step acceptance rate ``accept_rate`` (the probes' rate on
+    held-out steps): the longest round, up to ``GAMMA_MAX``, that is accepted whole at least half the time
+    (``accept_rate ** gamma >= 1/2``), since a rejection discards the round's later steps; 1 where the rate
+    is unknown or below one half."""
+    if accept_rate is None or not 0 <= accept_rate <= 1:
+        return 1
+    return max(g for g in range(1, GAMMA_MAX + 1) if g == 1 or accept_rate**g >= GAMMA_WHOLE)
+
+
 ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
 StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
 
@@ -63,7 +77,9 @@ class DecodeSettings:
     # 0: greedy; below MIN_TEMPERATURE too (its limit: dividing logits by less overflows the softmax)
     temperature: float = 0.0
     top_p: float = 1.0
-    gamma: int = 1  # steps drafted before verification (paper default 1)
+    # steps drafted before verification (paper default 1); GAMMA_AUTO ("auto") is resolved to a count from
+    # the probes' acceptance on held-out steps (``gamma_for``) by whoever loads them, before decoding
+    gamma: int | str = 1
     # batches only: steps a row may write ahead while others finish theirs (never changes an output)
     lookahead: int = 4
     # batches only: rounds a rejected row may wait so the target rewrites several rows in one decode loop
@@ -97,8 +113,8 @@ class DecodeSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.gamma != GAMMA_AUTO and (not isinstance(self.gamma, int) or self.gamma < 1):
+            raise ValueError(f"gamma must be a count >= 1 or 'auto', got {self.gamma!r}")
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.rewrite_wait < 0:
@@ -655,11 +671,11 @@ class SemanticSpecDecoder(_DraftTarget):
         settings: DecodeSettings,
         probe_ids: dict[str, str] | None = None,
     ) -> None:
-        for name in ("min_ratio", "min_p"):
+        for name in ("min_ratio", "min_p", "gamma"):
             if isinstance(getattr(settings, name), str):
                 raise ValueError(
-                    f"{name} 'auto' names the probes' own floor: resolve it to a number or None before "
-                    "decoding (semspec.tasks.decoders.build_decoder reads it from the registered probes)"
+                    f"{name} 'auto' is read from the probes: resolve it to a number before decoding "
+                    "(semspec.tasks.decoders.build_decoder reads it from the registered probes)"
                 )
         self.draft, self.target, self.settings = draft, target, settings
         self.q_probe, self.p_probe = q_probe, p_probe

@@ -28,6 +28,7 @@ SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the reg
 CHAMPION = "champion"  # registry alias of the probe version that decoding loads
 # min_ratio and min_p (evaluate and DecodeSettings): the floor the probe pair's train run chose on validation
 FLOOR_AUTO = "auto"
+GAMMA_AUTO = "auto"  # gamma chosen from the probes' acceptance (models/decoding.py gamma_for)
 ALL_DOMAINS = "all"  # the probes trained on every domain's data (keys and names without a domain)
 _DOMAIN_RE = re.compile(r"[A-Za-z0-9_.]+")
 

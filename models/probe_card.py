@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 CARD_FILE = "semspec-probes.json"  # the card at the top of an exported folder
 CARD_KIND = "semspec-probes"  # the card's ``kind``: tells it from other JSON files
 CARD_VERSION = 1  # the card's ``format_version``; a reader refuses any other
-FLOORS = ("min_ratio", "min_p")  # the floors a train run chose on validation (registry tags of these names)
+# what a train run chose or measured on held-out steps (registry tags of these names): the floors, and the
+# step acceptance rate ``gamma: auto`` reads
+FLOORS = ("min_ratio", "min_p", "accept_rate")
 # a Hugging Face Hub repo id (``org/name``), optionally at a revision (``org/name@revision``)
 _REPO_RE = re.compile(
     r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[A-Za-z0-9._/-]+))?"
@@ -106,8 +108,9 @@ class ProbeCard:
         return self.probes[variant][role]
 
     def floor(self, variant: str, name: str) -> float | None:
-        """The floor ``name`` (``min_ratio`` or ``min_p``) the train run chose for ``variant``: the target
-        probe's, as ``semspec.tasks.probe_registry.registered_floor`` reads it; None where none was chosen."""
+        """The floor ``name`` (``min_ratio`` or ``min_p``; or ``accept_rate``) the train run chose (measured)
+        for ``variant``: the target probe's, as ``semspec.tasks.probe_registry.registered_floor`` reads it;
+        None where none was."""
         if name not in FLOORS:
             raise ValueError(f"floor must be one of {FLOORS}, got {name!r}")
         return self.probe(variant, "target").floors.get(name)

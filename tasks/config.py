@@ -17,6 +17,7 @@ import yaml
 from semspec.models.names import (
     ALL_DOMAINS,
     FLOOR_AUTO,
+    GAMMA_AUTO,
     METHODS,
     PROBE_METHOD,
     PROBE_VARIANTS,
@@ -285,7 +286,9 @@ class EvaluateConfig:
     max_new_tokens: int = 96
     temperature: float = 0.0
     top_p: float = 0.95  # nucleus cut when sampling (temperature > 0), as the probes' samples were drawn
-    gamma: int = 1
+    # semanticspec: steps the draft writes per round: a count, or auto (the longest round the probes'
+    # acceptance on the held-out steps keeps whole at least half the time, up to 4; 1 for Random)
+    gamma: int | str = 1
     # semanticspec also rejects a step whose p/q falls below this: null (the paper's rule), a number, or
     # auto (the floor the train run chose on the validation questions for each learned variant's probes;
     # none where it chose none; Random keeps the paper's rule)
@@ -322,9 +325,11 @@ class EvaluateConfig:
             raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:
             raise ValueError("evaluate: field 'seeds' needs at least one seed")
-        _positive(
-            "evaluate", max_new_tokens=self.max_new_tokens, gamma=self.gamma, batch_size=self.batch_size
-        )
+        _positive("evaluate", max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        if self.gamma != GAMMA_AUTO and (
+            not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1
+        ):
+            raise ValueError(f"evaluate: field 'gamma' must be a count >= 1 or 'auto', got {self.gamma!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("evaluate: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
         for name in ("lookahead", "rewrite_wait"):

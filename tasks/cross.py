@@ -20,9 +20,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from semspec.models import cpu, steps
 from semspec.models import lm as lm_module
-from semspec.models import steps
-from semspec.models import cpu
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM
 from semspec.models.names import ROLES

@@ -4,6 +4,7 @@ of exported probes (``semspec.models.probe_card``), a path on which nothing impo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from semspec.models.decoding import (
     SemanticSpecDecoder,
     SingleModelDecoder,
     SpecReasonDecoder,
+    gamma_for,
 )
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import FLOOR_AUTO, METHODS, ROLES, split_probe_key
+from semspec.models.names import FLOOR_AUTO, GAMMA_AUTO, METHODS, ROLES, split_probe_key
 from semspec.models.pair import PairConfig
 from semspec.models.probe import probe_probabilities, probe_probability
 from semspec.models.probe_card import ProbeCard, check_card, load_card_probe, read_card
@@ -144,21 +146,47 @@ def build_decoder(
         return SpecReasonDecoder(lms["draft"], lms["target"], settings)
     if probes_dir is not None:
         return _folder_decoder(pair, lms, settings, variant, Path(probes_dir), pins)
-    from semspec.tasks.probe_registry import MIN_P_TAG, MIN_RATIO_TAG, registered_floor
+    from semspec.tasks.probe_registry import registered_floor
 
-    base, _ = split_probe_key(variant)  # a variant, or variant@domain for one domain's probes
     pins = pins or {}
-    for name, tag in (("min_ratio", MIN_RATIO_TAG), ("min_p", MIN_P_TAG)):
-        if getattr(settings, name) == FLOOR_AUTO:
-            version = pins.get(f"target-{variant}")
-            floor = None if base == "random" else registered_floor(pair.name, variant, version, tag)
-            log.info(
-                "semanticspec-%s: %s auto -> %s (chosen on the validation questions)", variant, name, floor
-            )
-            settings = replace(settings, **{name: floor})
+    version = pins.get(f"target-{variant}")
+    settings = resolve_auto(settings, variant, lambda tag: registered_floor(pair.name, variant, version, tag))
     q, q_sha = probe_fn(pair.name, "draft", variant, lms["draft"], pins.get(f"draft-{variant}"))
     p, p_sha = probe_fn(pair.name, "target", variant, lms["target"], pins.get(f"target-{variant}"))
     return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})
+
+
+def resolve_auto(
+    settings: DecodeSettings, variant: str, read: Callable[[str], float | None], where: str = "registry"
+) -> DecodeSettings:
+    """``settings`` with every ``auto`` SemanticSpec reads from its probes resolved: ``min_ratio`` and
+    ``min_p`` to the floors the train run chose on the validation questions, ``gamma`` to ``gamma_for``
+    the probes' step acceptance on the held-out steps; ``read(name)`` gives the target probe's value of
+    ``name`` (None: none). Random's probes keep the paper's rule and gamma 1."""
+    random = split_probe_key(variant)[0] == "random"
+    for name in ("min_ratio", "min_p"):
+        if getattr(settings, name) == FLOOR_AUTO:
+            floor = None if random else read(name)
+            log.info(
+                "semanticspec-%s: %s auto -> %s (chosen on the validation questions; %s)",
+                variant,
+                name,
+                floor,
+                where,
+            )
+            settings = replace(settings, **{name: floor})
+    if settings.gamma == GAMMA_AUTO:
+        rate = None if random else read("accept_rate")
+        gamma = gamma_for(rate)
+        log.info(
+            "semanticspec-%s: gamma auto -> %d (step acceptance %s on held-out steps; %s)",
+            variant,
+            gamma,
+            rate,
+            where,
+        )
+        settings = replace(settings, gamma=gamma)
+    return settings
 
 
 def _folder_decoder(
@@ -176,18 +204,7 @@ def _folder_decoder(
         )
     card = read_card(folder)
     check_card(card, pair, variant, check_format=False)  # the formats: against the loaded models below
-    base, _ = split_probe_key(variant)
-    for name in ("min_ratio", "min_p"):
-        if getattr(settings, name) == FLOOR_AUTO:
-            floor = None if base == "random" else card.floor(variant, name)
-            log.info(
-                "semanticspec-%s: %s auto -> %s (chosen on the validation questions; card in %s)",
-                variant,
-                name,
-                floor,
-                folder,
-            )
-            settings = replace(settings, **{name: floor})
+    settings = resolve_auto(settings, variant, lambda name: card.floor(variant, name), f"card in {folder}")
     q, q_sha = card_probe_fn(folder, card, "draft", variant, lms["draft"])
     p, p_sha = card_probe_fn(folder, card, "target", variant, lms["target"])
     return SemanticSpecDecoder(lms["draft"], lms["target"], q, p, settings, {"draft": q_sha, "target": p_sha})

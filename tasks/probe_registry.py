@@ -154,15 +154,16 @@ def registered_version(pair: str, role: str, variant: str, alias: str = CHAMPION
 
 MIN_RATIO_TAG = "min_ratio"  # a registered probe's floor on p/q, chosen on the validation questions
 MIN_P_TAG = "min_p"  # its floor on p for the target's rule (accept iff p >= min_p), chosen likewise
+ACCEPT_RATE_TAG = "accept_rate"  # the pair's step acceptance on the held-out steps (gamma: auto reads it)
 
 
 def registered_floor(
     pair: str, variant: str, version: str | None = None, tag: str = MIN_RATIO_TAG
 ) -> float | None:
     """The floor (``tag``: ``MIN_RATIO_TAG`` or ``MIN_P_TAG``) the train run chose on the validation
-    questions for ``variant``'s probes (the target probe's tag; ``version`` or the champion), or None
-    where it chose none (no routing metrics: no joint labels, or no validation step the floor could
-    separate)."""
+    questions for ``variant``'s probes, or the step acceptance it measured (``ACCEPT_RATE_TAG``) (the
+    target probe's tag; ``version`` or the champion), or None where it has none (no routing metrics: no
+    joint labels, or no validation step the floor could separate; a probe trained before the tag)."""
     value = (registered_version(pair, "target", variant, version=version).tags or {}).get(tag)
     return None if value is None else float(value)
 

@@ -21,9 +21,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
+from semspec.models import cpu, steps
 from semspec.models import lm as lm_module
-from semspec.models import steps
-from semspec.models import cpu
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
 from semspec.models.pair import ModelSpec, PairConfig

@@ -46,6 +46,7 @@ from semspec.tasks.io import (
     write_json_atomic,
 )
 from semspec.tasks.probe_registry import (
+    ACCEPT_RATE_TAG,
     MIN_P_TAG,
     MIN_RATIO_TAG,
     POINTERS_FILE,
@@ -286,6 +287,7 @@ def routing_metrics(
     return {
         "true_accept": float(accept[shared].mean()) if shared.any() else float("nan"),
         "false_accept": float(accept[~shared].mean()) if (~shared).any() else float("nan"),
+        "accept_rate": float(accept.mean()) if len(accept) else float("nan"),  # what gamma: auto reads
         "auroc": float(roc_auc_score(shared, ratio)) if both else float("nan"),
         "auroc_p": float(roc_auc_score(shared, p)) if both else float("nan"),
         "n_shared": int(shared.sum()),
@@ -295,7 +297,7 @@ def routing_metrics(
 
 # the routing metrics logged on each probe run, beside its MSE
 ROUTING_LOGGED = (
-    "true_accept", "false_accept", "auroc", "auroc_p", "min_ratio", "true_accept_at_min_ratio",
+    "true_accept", "false_accept", "accept_rate", "auroc", "auroc_p", "min_ratio", "true_accept_at_min_ratio",
     "false_accept_at_min_ratio", "min_p", "true_accept_at_min_p", "false_accept_at_min_p",
 )  # fmt: skip
 
@@ -822,13 +824,14 @@ def _log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, 
 
 def _tag_floors(routing: dict[str, dict[str, float]], pointers: dict[str, dict[str, Any]]) -> None:
     """Tag both registered probes of each trained variant with the ``min_ratio`` and ``min_p`` chosen on
-    the validation questions (``evaluate.min_ratio: auto`` and ``min_p: auto`` read them back at decode
-    time; Random keeps the paper's rule and is not tagged)."""
+    the validation questions and the pair's step acceptance on the held-out steps (``evaluate.min_ratio:
+    auto``, ``min_p: auto`` and ``gamma: auto`` read them back at decode time; Random keeps the paper's
+    rule and is not tagged)."""
     client = mlflow.MlflowClient()
     for variant, m in routing.items():
         if variant == "random":  # keys: plain variants, and the oracle (no probes, so no pointers)
             continue
-        for tag in (MIN_RATIO_TAG, MIN_P_TAG):
+        for tag in (MIN_RATIO_TAG, MIN_P_TAG, ACCEPT_RATE_TAG):
             floor = m.get(tag)
             if floor is None or not np.isfinite(floor):
                 continue

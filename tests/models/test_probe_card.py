@@ -54,7 +54,7 @@ def _entry(folder: Path, role: str, key: str, probe: ProbeMLP, **fields) -> Card
         "registry": {"name": f"semspec-p-{role}-{key}", "version": "1", "run_id": None},
         "metrics": {"test_mse": 0.1},
         "routing": {"auroc": 0.7},
-        "floors": {"min_ratio": 0.25 if role == "target" else None, "min_p": None},
+        "floors": {"min_ratio": 0.25 if role == "target" else None, "min_p": None, "accept_rate": None},
         "data_hash": None,
     }
     return CardProbe(**{**base, **fields})

@@ -943,6 +943,26 @@ def test_the_min_p_is_the_floor_on_p_that_best_separates_the_steps():
     assert choose_min_p(p, np.zeros(6, dtype=bool)) is None, "no side to accept"
 
 
+def test_gamma_auto_decodes_with_the_rounds_the_probes_acceptance_keeps(stages, trained):
+    """The train run tags each trained variant's probes with the pair's step acceptance on the held-out
+    steps; ``gamma: auto`` resolves to ``gamma_for`` that rate (Random: 1)."""
+    import mlflow
+
+    from semspec.models.decoding import DecodeSettings, gamma_for
+    from semspec.tasks.decoders import build_decoder
+
+    client = mlflow.MlflowClient(f"sqlite:///{stages['tmp']}/mlruns.db")
+    routing = trained["_routing"]
+    mv = client.get_model_version_by_alias("semspec-tiny-target-all", "champion")
+    assert float(mv.tags["accept_rate"]) == pytest.approx(routing["all"]["accept_rate"], rel=1e-5)
+    assert 0 <= routing["all"]["accept_rate"] <= 1
+    auto = DecodeSettings(max_new_tokens=8, step_tokens=4, gamma="auto")
+    pair, lms = stages["pair"], stages["lms"]
+    dec = build_decoder("semanticspec", pair, lms, auto, "all")
+    assert dec.settings.gamma == gamma_for(routing["all"]["accept_rate"])
+    assert build_decoder("semanticspec", pair, lms, auto, "random").settings.gamma == 1
+
+
 def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, trained):
     """The train run tags both probes of each variant with the ``min_ratio`` it chose on validation;
     ``min_ratio: auto`` resolves to that tag when the decoder is built (Random keeps the paper's rule),
