@@ -135,9 +135,10 @@ def load_lm(spec: ModelSpec) -> LM:
     format its ``dtype`` resolves to on this machine (``semspec.models.cpu.formats``).
 
     A GGUF model is converted (dequantized to the format's load dtype) once and kept in the cache in the
-    Hugging Face format, keyed by the file and the dtype: later loads read that copy, bit for bit the same
-    model, in seconds instead of re-parsing the GGUF file (about a minute for the embedded target here).
-    The int formats quantize the loaded linear layers (seconds; logged)."""
+    Hugging Face format, keyed by the file and the dtype (about a minute for the embedded target here). In
+    an int format, its quantized and packed weights are kept too (``weight_cache``): later loads
+    memory-map them into modules built without memory, with no bfloat16 copy on the way, in about a
+    second. Other models are quantized as they load (seconds; logged)."""
     t0 = time.perf_counter()
     tp_log = logging.getLogger(_TP_LOGGER)
     if not any(isinstance(f, _NotShardedNoise) for f in tp_log.filters):
