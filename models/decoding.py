@@ -42,6 +42,7 @@ from semspec.models.lm import (
     fits_window,
 )
 from semspec.models.names import FLOOR_AUTO, GAMMA_AUTO, ROLES, SEMANTICSPEC_RULES
+from semspec.models.spec import rules
 
 
 class MethodNotApplicable(ValueError):
@@ -102,6 +103,11 @@ class DecodeSettings:
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
     seed: int = 0
     benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
+
+    @property
+    def rule(self) -> rules.Rule:
+        """SemanticSpec's acceptance options (``models/spec/rules.py``); floors must be resolved."""
+        return rules.Rule(self.min_ratio, self.min_p, self.min_token_p, self.max_rejections)
 
     @property
     def salvages(self) -> bool:
@@ -696,8 +702,8 @@ class SemanticSpecDecoder(_DraftTarget):
         s = self.settings
         if s.max_rejections is None:
             return self._verify_round(rows)
-        handed = [r for r in rows if r.res.rejections >= s.max_rejections]
-        going = [r for r in rows if r.res.rejections < s.max_rejections]
+        handed = [r for r in rows if not rules.drafting(s.rule, r.res.rejections)]
+        going = [r for r in rows if rules.drafting(s.rule, r.res.rejections)]
         writes = []
         for row in handed:
             start = StepStart(row.target, row.step_budget(s, self.target), row.seed)
@@ -827,15 +833,8 @@ class SemanticSpecDecoder(_DraftTarget):
                     ps[b] = p
         accepts, whys = [], []
         for b, row in enumerate(rows):
-            p, q, u = ps[b], qs[b], row.rng.random()
-            ratio = p / q if q > 0 else float("inf")
-            if s.min_p is not None:  # the target's rule: its probe alone (u is drawn all the same)
-                accept = scores[b] is not None and p >= s.min_p
-            else:
-                accept = scores[b] is not None and u < min(1.0, ratio)
-            if accept and s.min_ratio is not None and ratio < s.min_ratio:
-                accept = False
-            accepts.append(accept)
+            p, q, u = ps[b], qs[b], row.rng.random()  # u is drawn for every row, scored or not
+            accepts.append(scores[b] is not None and rules.accept(p, q, u, s.rule).accepted)
             whys.append({"p": p, "q": q, "u": u})
         if s.min_token_p is not None:
             self._check_tokens(rows, scores, accepts, whys)
@@ -855,8 +854,9 @@ class SemanticSpecDecoder(_DraftTarget):
         with _Clock(_timings([rows[b] for b in checked]), "verify"):
             self.target.read_tokens([scores[b] for b in checked])
         for b in checked:
-            whys[b]["tok"] = float(scores[b].token_p.min())
-            accepts[b] = whys[b]["tok"] >= self.settings.min_token_p
+            w = whys[b]
+            w["tok"] = float(scores[b].token_p.min())
+            accepts[b] = rules.accept(w["p"], w["q"], w["u"], self.settings.rule, w["tok"]).accepted
 
     def _salvage(
         self, row: _Row, score: StepScore | None, budget: int, t_restore: Callable[[], LMState]

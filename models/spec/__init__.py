@@ -1,0 +1,1 @@
+"""The SemanticSpec algorithm: ``rules`` holds its acceptance rule, one pure function."""
