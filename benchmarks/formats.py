@@ -15,8 +15,10 @@ the output head included; embeddings are gathered, not read) over the read bandw
 evaluation's batching) and prints pass@1 with its 95% interval, the paired difference to the first
 format, and token agreement with it (the share of its output tokens each problem shares as a prefix,
 and the problems with the same output). The CPU's capability and each model's format are printed beside
-every figure. ``int8-torch`` is int8 with decoding calls through PyTorch's ``_weight_int8pack_mm`` instead
-of semspec's kernel (``models/cpu/int8_kernel.py``), to compare the two in one run; a ``-sdpa`` suffix (e.g.
+every figure. ``int8-torch`` is int8 with every semspec kernel off (``SEMSPEC_KERNELS=off``: decoding
+calls through PyTorch's ``_weight_int8pack_mm``, SDPA attention, the modules), to compare in one run;
+``int4-dense`` is int4 with a bfloat16 copy for calls above 8 rows (the rule before the int4 kernel's
+tiles); a ``-sdpa`` suffix (e.g.
 ``int8-sdpa``) decodes with transformers' SDPA attention instead of semspec's decode attention
 (``models/cpu/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
 (the defaults: the 0.5B's and the 1.5B's) and context length. ``split`` decodes with each model in

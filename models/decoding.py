@@ -119,7 +119,9 @@ class DecodeSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.gamma != GAMMA_AUTO and (not isinstance(self.gamma, int) or self.gamma < 1):
+        if self.gamma != GAMMA_AUTO and (
+            not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1
+        ):
             raise ValueError(f"gamma must be a count >= 1 or 'auto', got {self.gamma!r}")
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")

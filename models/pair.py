@@ -50,7 +50,7 @@ class ModelSpec:
     part_pattern: str = "data/part*.bin"  # parts: the one file of each package that holds its part
     sha256: str | None = None  # sha256 of the GGUF file (required for parts; checked once per file)
     # the format (models/cpu/formats.py): float32 | float16 | bfloat16 | int8 | int4 (weight-only, CPU) | auto
-    # (the fastest correct one for the machine: bfloat16 on a GPU, int8 on a CPU)
+    # (the fastest correct one for the machine: bfloat16 on a GPU; on a CPU int4 with AVX512_BF16, else int8)
     dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto
     prompt: str = "auto"  # auto: chat template when the tokenizer has one, else plain_template

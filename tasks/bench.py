@@ -311,8 +311,8 @@ def bench(
         replace(settings, gamma=g)  # a bad gamma is refused before the models load
     if llamacpp and batch:
         raise ValueError("--llamacpp runs with the one-at-a-time table, not with --batch")
-    files = {r: gguf_path(pair.role(r)) for r in ROLES} if llamacpp else {}
     lms = {r: load_lm(pair.role(r)) for r in ROLES}
+    files = {r: gguf_path(pair.role(r)) for r in ROLES} if llamacpp else {}  # on disk once loaded
     if batch:
         summary = run_batch_bench(pair, lms, n, settings, batch, variants)
         return summary, format_batch_bench(summary)
@@ -343,13 +343,21 @@ def bench(
 
 
 def gguf_path(spec: Any) -> Path:
-    """The GGUF file a model spec loads (joined and checked as semspec loads it); ``ValueError`` for a
-    model that is not one, which llama.cpp cannot run."""
+    """The GGUF file a model spec loads (joined and checked as semspec loads it; a Hub model's from the
+    local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
+    cannot run."""
+    from semspec.models.lm.loading import gguf_path as on_disk
     from semspec.models.weights import resolve_spec
 
     if not spec.gguf_file:
         raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")
-    return Path(resolve_spec(spec)) / spec.gguf_file
+    path = on_disk(resolve_spec(spec), spec.gguf_file)
+    if path is None:
+        raise ValueError(
+            f"--llamacpp: {spec.model_id}'s {spec.gguf_file} is not on disk yet; load the pair once "
+            f"(e.g. `semspec decode`) so the Hub cache holds it"
+        )
+    return path
 
 
 def peak_rss_gb() -> float:

@@ -177,6 +177,12 @@ def resolve_auto(
             settings = replace(settings, **{name: floor})
     if settings.gamma == GAMMA_AUTO:
         rate = None if random else read("accept_rate")
+        if rate is None and not random:
+            log.warning(
+                "semanticspec-%s: gamma auto -> 1: its probes carry no held-out acceptance (trained before "
+                "it was recorded): retrain them, or set evaluate.gamma to a count",
+                variant,
+            )
         gamma = gamma_for(rate)
         log.info(
             "semanticspec-%s: gamma auto -> %d (step acceptance %s on held-out steps; %s)",

@@ -15,9 +15,10 @@ import logging
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SERVER = "llama-server"
 START_TIMEOUT_S = 180.0
+REQUEST_TIMEOUT_S = 1800.0  # one completion; far above any bench budget on a CPU
 
 
 def find_server(where: str | None) -> str:
@@ -68,11 +70,11 @@ class LlamaServer:
         self.cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1"]
         if draft is not None:
             self.cmd += ["-md", str(draft)]
-            if "--spec-type" in self._help():  # newer builds pick the draft model's kind explicitly
+            if "--spec-type" in _run(binary, "--help"):  # newer builds name the draft model's kind
                 self.cmd += ["--spec-type", "draft-simple"]
         self.proc: subprocess.Popen | None = None
         self.peak_rss_gb: float | None = None
-        self._log = b""
+        self._log: IO[bytes] | None = None  # the server's output, in a file: a pipe nobody reads fills up
 
     @property
     def url(self) -> str:
@@ -80,34 +82,50 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_healthy()
+        except BaseException:  # a failed start, a timeout, Ctrl-C: never leave the server running
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-1500:] if self.proc.stderr else ""
-                raise RuntimeError(f"{SERVER} exited ({self.proc.returncode}) while starting: {err}")
+                raise RuntimeError(f"{SERVER} exited ({self.proc.returncode}) while starting: {self._tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self.__exit__(None, None, None)
         raise RuntimeError(
             f"{SERVER} did not answer /health within {START_TIMEOUT_S:.0f} s: {' '.join(self.cmd)}"
         )
 
+    def _tail(self) -> str:
+        """The end of the server's output."""
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-1500:].strip()
+
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        self.peak_rss_gb = _peak_rss_gb(self.proc.pid)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            self.peak_rss_gb = _peak_rss_gb(self.proc.pid)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def complete(self, prompt: str, n_predict: int) -> dict[str, Any]:
         """llama.cpp's ``/completion`` of ``prompt``: greedy, ``n_predict`` tokens at most, no prompt cache."""
@@ -118,19 +136,23 @@ class LlamaServer:
             "cache_prompt": False,
             "seed": 0,
         }
-        resp = httpx.post(f"{self.url}/completion", json=body, timeout=None)
+        resp = httpx.post(f"{self.url}/completion", json=body, timeout=REQUEST_TIMEOUT_S)
         resp.raise_for_status()
         return resp.json()
 
-    def _help(self) -> str:
-        done = subprocess.run([self.binary, "--help"], capture_output=True, text=True, timeout=30)
-        return done.stdout + done.stderr
-
     def version(self) -> str:
         """``llama-server --version``'s first line (its build), or ``unknown``."""
-        done = subprocess.run([self.binary, "--version"], capture_output=True, text=True, timeout=30)
-        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
+        lines = [ln for ln in _run(self.binary, "--version").splitlines() if ln.startswith("version")]
         return lines[0].removeprefix("version: ") if lines else "unknown"
+
+
+def _run(binary: str, flag: str) -> str:
+    """``binary flag``'s output (``--help``, ``--version``); empty where it fails or hangs."""
+    try:
+        done = subprocess.run([binary, flag], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
 
 
 def _peak_rss_gb(pid: int) -> float | None:

@@ -115,8 +115,12 @@ def load(name: str, source: str, target: str, what: str, instead: str) -> ctypes
     if cxx is None:
         log.warning("%s kernel off (no C++ compiler: $CXX, g++, c++): %s, slower", what, instead)
         return None
+    folder = settings().cache_dir / "kernels"
     try:
-        return ctypes.CDLL(str(build(cxx, settings().cache_dir / "kernels", target, name, source)))
+        try:
+            return ctypes.CDLL(str(build(cxx, folder, target, name, source)))
+        except OSError:  # removed meanwhile by another checkout's newer build: build it again, once
+            return ctypes.CDLL(str(build(cxx, folder, target, name, source)))
     except (RuntimeError, OSError) as err:
         log.warning("%s kernel off: %s; %s, slower", what, err, instead)
         return None

@@ -54,8 +54,8 @@ INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kerne
 # calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off the tables above
 # (native: where the int kernel stops beating AMX; AVX2: between the 48 rows where int8 wins and the
 # 384 where float32 wins by 2x, interpolated)
-# (int4 without native bfloat16 has no dense path: its packed weights cannot be dequantized cheaply, and
-# a float32 copy would cost 8x their memory)
+# (int4 without native bfloat16 has no dense path: PyTorch's int4 packing has no cheap inverse, and a
+# float32 copy would cost 8x their memory)
 # (int4 with AVX512_BF16 has none either: the int4 kernel's tiles run many-row calls within ~1.2x of
 # a dense bfloat16 GEMM, for a quarter of its memory)
 DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): 64, ("int4", False): None}
@@ -358,8 +358,7 @@ class QuantLinear(nn.Module):
         return int8_kernel.unpack(self.qweight) if self.packed else self.qweight
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4's packing is the kernel's own:
-        its dense copy is made before packing)."""
+        """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4 layers: ``_dequantized_all``)."""
         if self.bits != 8:
             raise ValueError("only int8 weights are dequantized per call; int4 keeps a dense copy or none")
         return self.int8_weight().to(dtype) * self.scales.to(dtype)[:, None]

@@ -1,4 +1,4 @@
-"""A weight-only int4 matrix product for CPUs with native bfloat16 (AVX512_BF16), compiled once here.
+"""A weight-only int4 matrix product for CPUs with native bfloat16 (AVX512_BF16), built on first use.
 
 ``y = x @ w.T`` for x (M, K) bfloat16 and int4 weights ``w = (q - 8) * scale + zero`` with q in [0, 15]
 and one bfloat16 scale and zero per output channel and group of 32 inputs: the int4 format's weights

@@ -59,7 +59,7 @@ _TP_LOGGER = "transformers.distributed.tensor_parallel"
 _SOURCE = "semspec-source.json"  # in a converted copy: the key of the GGUF file it was made from
 
 
-def _gguf_path(where: str, gguf_file: str) -> Path | None:
+def gguf_path(where: str, gguf_file: str) -> Path | None:
     """The GGUF file on disk: in a folder, or in the local Hub cache (None when not downloaded yet)."""
     local = Path(where) / gguf_file
     if local.is_file():
@@ -73,7 +73,7 @@ def _converted_folder(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple[
     (cache off, or the file not on disk yet)."""
     if not (spec.gguf_file and converted_enabled()):
         return None
-    path = _gguf_path(where, spec.gguf_file)
+    path = gguf_path(where, spec.gguf_file)
     if path is None:
         return None
     verified = spec.sha256 if spec.source != "hub" else None  # resolve_spec checked it (not a Hub file)

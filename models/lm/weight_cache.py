@@ -11,7 +11,8 @@ the same entry (sample actors, evaluation workers, the API and the server), and 
 time it takes to read its config.
 
 An entry is written under a temporary name and renamed when whole. One whose key file differs (stale) or
-that does not load (cut, edited, another layout) is deleted and rebuilt, never used. ``SEMSPEC_GGUF_CACHE=0``
+that does not load (cut, edited, another layout) is deleted and rebuilt, never used; a new entry replaces
+those of the same model made from another GGUF file. ``SEMSPEC_GGUF_CACHE=0``
 turns it off with the converted copies.
 """
 
@@ -48,7 +49,7 @@ def cache_key(source: dict, fmt: Format) -> dict:
     """What an entry depends on: ``source`` (the converted copy's key: the GGUF file's content and the
     converter), the format, the packed layouts the kernels here take, and the versions that read them."""
     return {
-        **source,
+        "source": source,
         "format": fmt.label(),
         "layout": LAYOUT_VERSION,
         "int4_kernel": int4_kernel.int4_mm() is not None,
@@ -99,13 +100,13 @@ def save(folder: Path, key: dict, tokenizer, model: PreTrainedModel) -> None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _KEY).write_text(json.dumps(key))
-        for old in folder.parent.glob(f"{folder.name.rsplit('-', 1)[0]}-*"):
-            if old != folder and old.is_dir() and ".tmp" not in old.name:
-                shutil.rmtree(old, ignore_errors=True)
-        if not folder.exists():  # another process may have written the same entry meanwhile
-            os.rename(tmp, folder)
+        for old in _superseded(folder, key):
+            shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():  # another process wrote the same entry meanwhile: it serves
+            return
+        os.rename(tmp, folder)
         log.info("kept the quantized weights in %s", folder)
-    except OSError as e:
+    except (OSError, RuntimeError, ValueError) as e:
         log.warning(
             "could not keep the quantized weights in %s (%s): the next load quantizes again", folder, e
         )
@@ -113,18 +114,40 @@ def save(folder: Path, key: dict, tokenizer, model: PreTrainedModel) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _superseded(folder: Path, key: dict) -> list[Path]:
+    """The entries of the same model and format name made from another GGUF file (the file changed):
+    ``folder``'s entry replaces them. Entries of the same file for other kernels, format rules or versions
+    stay, since another setting or environment on this machine may map them."""
+    out = []
+    for other in folder.parent.glob(f"{folder.name.rsplit('-', 1)[0]}-*"):
+        if other == folder or not other.is_dir() or ".tmp" in other.name:
+            continue
+        try:
+            source = json.loads((other / _KEY).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            source = None  # unreadable: not a whole entry of this layout
+        if source != key["source"]:
+            out.append(other)
+    return out
+
+
 def load(folder: Path, key: dict, fmt: Format, trust_remote_code: bool = False) -> tuple | None:
     """(tokenizer, model) from the entry for ``key``, its tensors memory-mapped; None without a usable
-    one. A stale or broken entry is deleted (logged) so the caller rebuilds it."""
+    one. A stale or broken entry (another key, a cut or unreadable file, tensors that do not fit) is
+    deleted (logged) so the caller rebuilds it; an error of this process (out of memory, too many open
+    files) only makes the caller quantize again, leaving the entry."""
     if not (folder / _KEY).is_file():
         return None
     try:
         if json.loads((folder / _KEY).read_text()) != key:
             raise ValueError("it was made for another file, format or layout")
         return _load(folder, fmt, trust_remote_code)
-    except (ValueError, RuntimeError, OSError, KeyError, TypeError, SafetensorError) as e:
+    except (ValueError, KeyError, SafetensorError) as e:
         log.warning("quantized weights in %s unusable (%s): deleting them, quantizing again", folder, e)
         shutil.rmtree(folder, ignore_errors=True)
+        return None
+    except (OSError, RuntimeError, TypeError) as e:
+        log.warning("could not map the quantized weights in %s (%s): quantizing again", folder, e)
         return None
 
 

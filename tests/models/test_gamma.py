@@ -31,7 +31,7 @@ def test_the_longest_round_kept_whole_half_the_time(rate, gamma):
 
 def test_auto_is_a_setting_and_other_words_are_refused():
     assert DecodeSettings(gamma="auto").gamma == "auto"
-    for bad in ("many", 0, 1.5):
+    for bad in ("many", 0, 1.5, True):
         with pytest.raises(ValueError, match="gamma must be a count >= 1 or 'auto'"):
             DecodeSettings(gamma=bad)
 

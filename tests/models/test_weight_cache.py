@@ -60,7 +60,7 @@ def test_a_stale_or_broken_entry_is_deleted_and_never_used(cache, caplog):
     key = weight_cache.cache_key(SOURCE, INT4)
     folder = weight_cache.entry_path("org/tiny", key)
     weight_cache.save(folder, key, tokenizer, model)
-    other = {**key, "sha256": "cd" * 32}  # the GGUF file changed: another key, so another folder...
+    other = {**key, "source": {**SOURCE, "sha256": "cd" * 32}}  # the GGUF file changed: another key...
     assert weight_cache.entry_path("org/tiny", other) != folder
     assert weight_cache.load(folder, other, INT4) is None and not folder.exists()  # ...and this one is stale
 
@@ -75,13 +75,30 @@ def test_a_stale_or_broken_entry_is_deleted_and_never_used(cache, caplog):
     assert weight_cache.load(folder, key, INT4) is None and not folder.exists()
 
 
-def test_a_new_entry_replaces_the_old_one_of_the_same_model_and_format(cache):
+def test_a_new_entry_replaces_those_of_another_gguf_file_and_keeps_other_settings(cache):
     tokenizer, model = _quantized(INT4)
     old_key = weight_cache.cache_key(SOURCE, INT4)
     old = weight_cache.entry_path("org/tiny", old_key)
     weight_cache.save(old, old_key, tokenizer, model)
-    new_key = {**old_key, "sha256": "ef" * 32}
+    other_setting = {**old_key, "int8_kernel": "AVX2"}  # the same file, another kernel build
+    beside = weight_cache.entry_path("org/tiny", other_setting)
+    weight_cache.save(beside, other_setting, tokenizer, model)
+    assert old.is_dir() and beside.is_dir(), "another setting of the same file keeps its entry"
+    new_key = {**old_key, "source": {**SOURCE, "sha256": "ef" * 32}}  # the GGUF file changed
     new = weight_cache.entry_path("org/tiny", new_key)
     weight_cache.save(new, new_key, tokenizer, model)
-    assert new.is_dir() and not old.exists()
+    assert new.is_dir() and not old.exists() and not beside.exists()
     assert weight_cache.load(new, new_key, INT4) is not None
+
+
+def test_an_error_of_this_process_leaves_the_entry(cache, monkeypatch):
+    tokenizer, model = _quantized(INT4)
+    key = weight_cache.cache_key(SOURCE, INT4)
+    folder = weight_cache.entry_path("org/tiny", key)
+    weight_cache.save(folder, key, tokenizer, model)
+
+    def no_memory(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(weight_cache, "_load", no_memory)
+    assert weight_cache.load(folder, key, INT4) is None and folder.is_dir(), "kept for the next load"
