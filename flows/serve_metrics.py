@@ -38,6 +38,12 @@ class ServeMetrics:
             ["method", "status"],
             registry=r,
         )
+        self.refusals = Counter(
+            "semspec_requests_refused",
+            "Requests refused with 429 (the queue was full), by endpoint.",
+            ["endpoint"],
+            registry=r,
+        )
         self.tokens = Counter(
             "semspec_generated_tokens", "Output tokens, by method run.", ["method"], registry=r
         )
@@ -88,8 +94,8 @@ class ServeMetrics:
         self.requests.labels(endpoint).inc()
 
     def refused(self, endpoint: str) -> None:
-        """A request was refused because the queue was full."""
-        self.finished.labels("none", "429").inc()
+        """A request to ``endpoint`` was refused because the queue was full (429)."""
+        self.refusals.labels(endpoint).inc()
 
     def done(self, req: Request, res: DecodeResult | None, error: BaseException | None) -> None:
         """A request finished (``res``) or failed (``error``); called from the engine's thread."""

@@ -172,10 +172,13 @@ def test_a_full_queue_answers_429_with_retry_after():
             codes = list(
                 pool.map(lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60), range(6))
             )
+        metrics = httpx.get(f"{base}/metrics").text
     refused = [r for r in codes if r.status_code == 429]
     assert refused and all(r.headers.get("retry-after") for r in refused)
     assert all(r.json()["error"]["type"] == "rate_limit_error" for r in refused)
     assert {r.status_code for r in codes} <= {200, 429} and any(r.status_code == 200 for r in codes)
+    counted = f'semspec_requests_refused_total{{endpoint="chat"}} {float(len(refused))}'
+    assert counted in metrics, "each 429 is counted under its endpoint"
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_the_batch():
