@@ -29,7 +29,7 @@ from pathlib import Path
 
 from semspec.models.cpu.formats import cpu_info
 from semspec.models.project import load_pair
-from semspec.models.weights import resolve_spec
+from semspec.tasks.bench import gguf_path
 
 QUESTION = "A train travels 60 km in 45 minutes. What is its average speed in km/h?"
 _CHILD = r"""
@@ -63,11 +63,6 @@ def run(cmd: list[str]) -> tuple[float, str]:
     return kb / 2**20, done.stdout
 
 
-def gguf(spec) -> Path:
-    """The GGUF file a model spec loads (assembled and checked as semspec loads it)."""
-    return Path(resolve_spec(spec)) / spec.gguf_file
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="qwen-coder")
@@ -89,7 +84,7 @@ def main() -> None:
     bench, spec_bin = tool("llama-bench"), tool("llama-speculative-simple")
     if bench and Path(bench).is_file():
         for role in ("target", "draft"):
-            path = gguf(pair.role(role))
+            path = gguf_path(pair.role(role))
             cmd = [
                 bench,
                 "-m",
@@ -115,7 +110,7 @@ def main() -> None:
                 )
             )
     if spec_bin and Path(spec_bin).is_file():
-        t, d = gguf(pair.target), gguf(pair.draft)
+        t, d = gguf_path(pair.target), gguf_path(pair.draft)
         cmd = [
             spec_bin,
             "-m",

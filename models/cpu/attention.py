@@ -52,18 +52,12 @@ def attention_kernel() -> dict[torch.dtype, Callable] | None:
     """The built kernel's functions by activation dtype, or None where it is off
     (``SEMSPEC_DECODE_ATTENTION=0``) or cannot be built here (then SDPA serves every call). The build
     follows ``SEMSPEC_KERNELS`` (``off`` turns it off too). Built once per process."""
-    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
-
     if settings().decode_attention == "0":
         return None
-    target = build.isa(cpu_info().flags, ISAS)
-    if target is None:
-        if settings().kernels != "off":
-            log.warning("decode attention kernel off (%s): SDPA attends, slower", build.cpu_lacks())
+    got = build.load_best("attend", SOURCE, ISAS, "decode attention", "SDPA attends")
+    if got is None:
         return None
-    dll = build.load("attend", SOURCE, target, "decode attention", "SDPA attends")
-    if dll is None:
-        return None
+    dll = got[0]
     fns = {torch.bfloat16: dll.semspec_attend_bf16, torch.float32: dll.semspec_attend_f32}
     for fn in fns.values():
         fn.argtypes, fn.restype = _ARGS, None

@@ -107,6 +107,23 @@ def build(cxx: str, folder: Path, target: str, name: str, source: str) -> Path:
     return lib
 
 
+def load_best(
+    name: str, source: str, among: tuple[str, ...], what: str, instead: str, warn_missing: bool = True
+) -> tuple[ctypes.CDLL, str] | None:
+    """Kernel ``name`` built for the best instruction set of ``among`` that ``SEMSPEC_KERNELS`` allows
+    and this CPU runs, loaded: (library, instruction set). None where none fits (a warning that ``what``
+    is off and ``instead`` runs, with ``warn_missing`` and the switch not ``off``) or it cannot be built."""
+    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
+
+    target = isa(cpu_info().flags, among)
+    if target is None:
+        if warn_missing and settings().kernels != "off":
+            log.warning("%s kernel off (%s): %s, slower", what, cpu_lacks(), instead)
+        return None
+    dll = load(name, source, target, what, instead)
+    return None if dll is None else (dll, target)
+
+
 def load(name: str, source: str, target: str, what: str, instead: str) -> ctypes.CDLL | None:
     """Build (where needed) and load kernel ``name`` from ``csrc/<source>`` for ``target``; None where no
     compiler is found or the build fails, with a warning that the ``what`` kernel is off and ``instead``

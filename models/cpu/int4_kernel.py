@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from semspec.models.cpu import build
-
-log = logging.getLogger(__name__)
 
 GROUP = 32  # input channels per scale and zero
 BLOCK = 16  # output channels per packed block (one per float32 lane of a 512-bit vector)
@@ -105,13 +102,10 @@ class _Kernel:
 def int4_mm() -> _Kernel | None:
     """The kernel, or None where it is off (``SEMSPEC_KERNELS`` off or avx2), the CPU lacks AVX512_BF16 or
     no compiler builds it (then PyTorch's ``_weight_int4pack_mm_for_cpu`` serves). Built once per process."""
-    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
-
-    if build.isa(cpu_info().flags, (ISA,)) is None:
+    # no warning where the CPU lacks AVX512_BF16: auto picks int8 there, and int4 runs PyTorch's op
+    got = build.load_best("int4_mm", SOURCE, (ISA,), "int4", "PyTorch's int4 op decodes", warn_missing=False)
+    if got is None:
         return None
-    dll = build.load("int4_mm", SOURCE, ISA, "int4", "PyTorch's int4 op decodes")
-    if dll is None:
-        return None
-    fn = dll.semspec_int4_mm_bf16
+    fn = got[0].semspec_int4_mm_bf16
     fn.argtypes, fn.restype = _ARGS, None
     return _Kernel(fn)

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
 
 from semspec.models.cpu import build
-from semspec.models.settings import settings
-
-log = logging.getLogger(__name__)
 
 SOURCE = "int8.cpp"  # in csrc/
 ISAS = ("AVX512", "AVX2")  # the builds, best first (models/cpu/build.py)
@@ -57,20 +53,8 @@ def int8_mm() -> _Kernel | None:
     """The kernel as ``f(x (M, K), q (N, K) int8, scales (N,)) -> (M, N)`` in x's dtype (bfloat16 or
     float32; every tensor contiguous on the CPU), or None where it is off or cannot be built here (then
     PyTorch's ``_weight_int8pack_mm`` serves). Built and loaded once per process."""
-    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
-
-    target = build.isa(cpu_info().flags, ISAS)
-    if target is None:
-        if settings().kernels != "off":
-            log.warning(
-                "int8 kernel off (%s): PyTorch's _weight_int8pack_mm decodes, slower", build.cpu_lacks()
-            )
-        return None
-    dll = build.load("int8_mm", SOURCE, target, "int8", "PyTorch's _weight_int8pack_mm decodes")
-    if dll is None:
-        return None
-    fns = _bind(dll)
-    return _Kernel(fns, target)
+    got = build.load_best("int8_mm", SOURCE, ISAS, "int8", "PyTorch's _weight_int8pack_mm decodes")
+    return None if got is None else _Kernel(_bind(got[0]), got[1])
 
 
 class _Kernel:

@@ -48,12 +48,13 @@ _LAYERS = "semspec_quantized_layers"  # safetensors metadata: {layer name: Quant
 def cache_key(source: dict, fmt: Format) -> dict:
     """What an entry depends on: ``source`` (the converted copy's key: the GGUF file's content and the
     converter), the format, the packed layouts the kernels here take, and the versions that read them."""
+    int8 = int8_kernel.int8_mm()
     return {
         "source": source,
         "format": fmt.label(),
         "layout": LAYOUT_VERSION,
         "int4_kernel": int4_kernel.int4_mm() is not None,
-        "int8_kernel": None if int8_kernel.int8_mm() is None else int8_kernel.int8_mm().isa,
+        "int8_kernel": None if int8 is None else int8.isa,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
