@@ -42,11 +42,11 @@ import torch
 
 from semspec.models.cpu import attention, decode_layer, formats, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
-from semspec.models.decoding import DecodeSettings
-from semspec.models.grading import grade
 from semspec.models.lm import LM, LMState, load_lm
-from semspec.models.project import load_pair
-from semspec.models.settings import reload_settings
+from semspec.models.project.pairs import load_pair
+from semspec.models.project.settings import reload_settings
+from semspec.models.spec.grading import grade
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.eval_stats import bootstrap_pass

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from semspec.models.cpu.formats import cpu_info
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.bench import gguf_path
 
 QUESTION = "A train travels 60 km in 45 minutes. What is its average speed in km/h?"

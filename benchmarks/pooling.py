@@ -32,7 +32,7 @@ from scipy.stats import ttest_rel
 from tqdm.auto import tqdm
 
 from semspec.models.lm import LM, Pooled, load_lm
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import load_params
 from semspec.tasks.io import column_matrix, read_shards
 from semspec.tasks.train import (

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from semspec.models.lm import load_lm
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.data import build_prefixes, generate_arith, split_steps
 
 

@@ -408,8 +408,8 @@ def format_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------- CLI
 def target_gguf(pair: str) -> Path:
     """The local GGUF file of the pair's target (joined from its parts and checked on first use)."""
-    from semspec.models.project import load_pair
-    from semspec.models.weights import resolve_spec
+    from semspec.models.lm.weights import resolve_spec
+    from semspec.models.project.pairs import load_pair
 
     spec = load_pair(pair).target
     if not spec.gguf_file:
@@ -500,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = arith_prompts(args.prompts, args.seed)
     system = None
     if args.system_prompt == "pair":
-        from semspec.models.project import load_pair
+        from semspec.models.project.pairs import load_pair
 
         system = load_pair(args.pair).target.system_prompt
     rows: list[dict[str, Any]] = []

@@ -65,8 +65,8 @@ def grade(
     pred: Annotated[str, typer.Option(help="A model's answer or whole completion.")],
 ) -> None:
     """Grade one prediction: prints `correct` or `wrong`."""
-    from semspec.models.grading import GRADED_BENCHMARKS
-    from semspec.models.grading import grade as grade_fn
+    from semspec.models.spec.grading import GRADED_BENCHMARKS
+    from semspec.models.spec.grading import grade as grade_fn
 
     if benchmark not in GRADED_BENCHMARKS:
         raise typer.BadParameter(f"expected one of {', '.join(GRADED_BENCHMARKS)}", param_hint="--benchmark")
@@ -107,7 +107,7 @@ def decode(
     """Answer a question, streaming each step as it is accepted (draft) or written by the target."""
     import json
 
-    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, split_probe_key
+    from semspec.models.spec.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, split_probe_key
 
     # every argument is checked before any model loads (that takes a minute on a CPU)
     if not question.strip():
@@ -191,7 +191,7 @@ def bench(
     each beside the target at that size."""
     import json
 
-    from semspec.models.names import PROBE_VARIANTS
+    from semspec.models.spec.names import PROBE_VARIANTS
     from semspec.tasks import bench as bench_task
     from semspec.tasks.config import load_params
 

@@ -9,7 +9,7 @@ import typer
 
 from semspec.flows.cli_common import PairOpt, ProfileOpt, default_pair, or_exit
 from semspec.flows.cli_probes import probes_app
-from semspec.models.names import ROLES  # a plain module: no cost at start
+from semspec.models.spec.names import ROLES
 
 models_app = typer.Typer(help="Inspect model pairs.", no_args_is_help=True)
 data_app = typer.Typer(help="Inspect data sets.", no_args_is_help=True)
@@ -39,8 +39,8 @@ def models_install(
     import subprocess
     import sys
 
-    from semspec.models.project import list_pairs, load_pair
-    from semspec.models.weights import parts_missing
+    from semspec.models.lm.weights import parts_missing
+    from semspec.models.project.pairs import list_pairs, load_pair
 
     reqs: list[str] = []
     for name in pair or list_pairs():
@@ -61,7 +61,7 @@ def models_check(
     tokens: Annotated[int, typer.Option(help="Tokens to decode when timing.")] = 24,
 ) -> None:
     """Load both models of a pair, print their shapes and speeds, and generate one step with each."""
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
     from semspec.tasks.checks import model_check
 
     pair_config = or_exit(load_pair, pair or default_pair())
@@ -95,7 +95,7 @@ def judge_calibrate(
     ] = "conf/judges/calibration.yaml",
 ) -> None:
     """Sweep the embedding judge's cosine threshold on labelled step pairs (accuracy, precision, recall, F1)."""
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
     from semspec.tasks.checks import judge_calibration
 
     pair_config = or_exit(load_pair, pair or default_pair())
@@ -163,7 +163,7 @@ def pairs_prune(
 ) -> None:
     """List what is kept for pairs whose file is gone from conf/pairs/ (registered probes, MLflow
     experiments, data/eval/reports folders); delete it with --yes."""
-    from semspec.models.project import project_root
+    from semspec.models.project.pairs import project_root
     from semspec.tasks.retrain import orphans, prune
 
     root = project_root()

@@ -104,7 +104,7 @@ def _stage_command(name: str, command: StageCommand) -> Callable[..., None]:
 
     def run(**options: Any) -> None:
         from semspec.flows.stages import stage_option
-        from semspec.models.project import load_pair
+        from semspec.models.project.pairs import load_pair
         from semspec.tasks.config import load_params
         from semspec.tasks.io import check_writable
         from semspec.tasks.ray_utils import exit_on_termination, shutdown_ray

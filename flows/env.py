@@ -1,6 +1,6 @@
 """The services' side of the environment: their URLs, the PATH they run with and the ``export`` lines
 ``semspec env`` prints for shell scripts. The variables themselves are defined in
-``semspec.models.settings`` (the one place that reads the environment)."""
+``semspec.models.project.settings`` (the one place that reads the environment)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from semspec.models.settings import HOST, apply_env, effective_env, project_env, settings
+from semspec.models.project.settings import HOST, apply_env, effective_env, project_env, settings
 
 __all__ = ["HOST", "apply_env", "effective_env", "service_urls", "shell_exports", "with_venv_path"]
 

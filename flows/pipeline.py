@@ -21,10 +21,11 @@ from prefect.schedules import Cron
 
 from semspec.flows.report import compare_url, experiment_url, mlflow_runs, pair_report
 from semspec.flows.stages import StageRequest, run_stage, stage_line_logger, stage_option
-from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import load_lm
-from semspec.models.names import PROBE_METHOD, ROLES, SMOKE_STAGE, STAGES
-from semspec.models.project import load_pair, project_root
+from semspec.models.project.names import SMOKE_STAGE, STAGES
+from semspec.models.project.pairs import load_pair, project_root
+from semspec.models.spec.names import PROBE_METHOD, ROLES
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import load_params
 from semspec.tasks.decoders import build_decoder, decode_settings
 from semspec.tasks.retrain import NOT_EVALUATED, pair_statuses

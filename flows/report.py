@@ -12,7 +12,7 @@ import mlflow
 
 from semspec.flows.env import service_urls
 from semspec.flows.stages import stage_files
-from semspec.models.names import experiment_name
+from semspec.models.project.names import experiment_name
 
 log = logging.getLogger(__name__)
 

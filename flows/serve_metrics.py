@@ -17,7 +17,7 @@ from prometheus_client import (
 )
 
 from semspec.engine import Engine, Request
-from semspec.models.decoding import DecodeResult
+from semspec.models.spec.results import DecodeResult
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 

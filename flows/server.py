@@ -44,9 +44,9 @@ from semspec.flows.openai_schema import (
     ok_responses,
 )
 from semspec.flows.serve_metrics import ServeMetrics
-from semspec.models.decoding import DecodeResult
 from semspec.models.lm import RawPrompt, check_messages
-from semspec.models.settings import HOST
+from semspec.models.project.settings import HOST
+from semspec.models.spec.results import DecodeResult
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2  # what a 429 tells the client to wait
@@ -91,7 +91,7 @@ def auto_spec_max_batch(kind: str | None = None) -> int:
     """The serving threshold measured for this CPU kind (``conf/serving.yaml``)."""
     import yaml
 
-    from semspec.models.project import project_root
+    from semspec.models.project.pairs import project_root
 
     path = project_root() / "conf" / "serving.yaml"
     table = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("spec_max_batch", {})

@@ -23,8 +23,8 @@ import httpx
 import psutil
 
 from semspec.flows.env import HOST, effective_env, with_venv_path
-from semspec.models.project import project_root
-from semspec.models.settings import settings
+from semspec.models.project.pairs import project_root
+from semspec.models.project.settings import settings
 from semspec.tasks.io import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 
 from semspec.flows.env import with_venv_path
-from semspec.models.names import STAGES
-from semspec.models.project import project_root
+from semspec.models.project.names import STAGES
+from semspec.models.project.pairs import project_root
 from semspec.tasks.config import read_params_file
 
 log = logging.getLogger(__name__)

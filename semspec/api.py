@@ -16,10 +16,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from semspec.models.decoding import BatchDecoder, DecodeResult, DecodeSettings, StepRecord
 from semspec.models.lm import LM, Prompt
-from semspec.models.names import METHODS, PROBE_METHOD, ROLES
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.batching import BatchDecoder
+from semspec.models.spec.names import METHODS, PROBE_METHOD, ROLES
+from semspec.models.spec.results import DecodeResult, StepRecord
+from semspec.models.spec.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +243,9 @@ def load(
     Every check (the pair file, the probes' presence and fit, the settings) runs before any model loads,
     and a failure is a ``ValueError`` saying what to do."""
     from semspec.models.lm import load_lm
-    from semspec.models.names import split_probe_key
-    from semspec.models.project import load_pair
-    from semspec.models.settings import apply_env
+    from semspec.models.project.pairs import load_pair
+    from semspec.models.project.settings import apply_env
+    from semspec.models.spec.names import split_probe_key
     from semspec.tasks.config import load_params
     from semspec.tasks.decoders import check_probes, decode_settings
 
@@ -254,7 +256,7 @@ def load(
     if probe is not None:
         split_probe_key(probe)  # a known variant, or variant@domain
         if probes is not None:
-            from semspec.models.probe_card import resolve_probes
+            from semspec.models.project.probe_card import resolve_probes
 
             probes_dir = resolve_probes(probes)
         check_probes(pair_cfg, probe, probes_dir)

@@ -25,9 +25,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
 
-from semspec.models.decoding import BatchDecoder, DecodeResult, Job, StepRecord, _Row
 from semspec.models.lm import Prompt
-from semspec.models.names import PROBE_METHOD
+from semspec.models.spec.batching import BatchDecoder, Job, Row
+from semspec.models.spec.names import PROBE_METHOD
+from semspec.models.spec.results import DecodeResult, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Request:
 @dataclass
 class _Lane:
     decoder: BatchDecoder
-    rows: list[_Row] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     requests: dict[int, Request] = field(default_factory=dict)
 
 
@@ -228,7 +229,7 @@ class Engine:
                         self._fail(req, e)
             lane.rows += rows
 
-    def _admit_rows(self, lane: _Lane, reqs: list[Request]) -> list[_Row]:
+    def _admit_rows(self, lane: _Lane, reqs: list[Request]) -> list[Row]:
         jobs = [Job(r.id, r.prompt, r.max_new_tokens, r.seed) for r in reqs]
         by_id = {r.id: r for r in reqs}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from semspec.models.decoding import DecodeResult
-from semspec.models.names import PROBE_METHOD, ROLES
+from semspec.models.spec.names import PROBE_METHOD, ROLES
+from semspec.models.spec.results import DecodeResult
 from semspec.tasks.config import Params
 
 
@@ -25,7 +25,7 @@ def open_decoder(
     settings. The probes are checked before any model loads (a minute on a CPU); ValueError says what is
     missing."""
     from semspec.models.lm import load_lm
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
     from semspec.tasks import decoders
 
     pair = load_pair(pair_name, None, params.split_strategy)

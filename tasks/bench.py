@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from semspec.models.decoding import DecodeResult, DecodeSettings, MethodNotApplicable
 from semspec.models.lm import LM
-from semspec.models.names import PROBE_METHOD, PROBE_VARIANTS, method_label
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.names import PROBE_METHOD, PROBE_VARIANTS, method_label
+from semspec.models.spec.results import DecodeResult
+from semspec.models.spec.settings import DecodeSettings, MethodNotApplicable
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder, decode_settings
 from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer
@@ -300,8 +301,8 @@ def bench(
     llama.cpp's target alone and its speculative decoding with the draft run beside them, on the pair's
     GGUF files. Returns the summary and its table."""
     from semspec.models.lm import load_lm
-    from semspec.models.names import ROLES
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
+    from semspec.models.spec.names import ROLES
 
     if bad := set(variants) - set(PROBE_VARIANTS):
         raise ValueError(f"unknown probe variant(s) {sorted(bad)}; expected {PROBE_VARIANTS}")
@@ -347,7 +348,7 @@ def gguf_path(spec: Any) -> Path:
     local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
     cannot run."""
     from semspec.models.lm.loading import gguf_path as on_disk
-    from semspec.models.weights import resolve_spec
+    from semspec.models.lm.weights import resolve_spec
 
     if not spec.gguf_file:
         raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")

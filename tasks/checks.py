@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from semspec.models.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelSpec, PairConfig
 
 CHECK_QUESTION = (
     "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. "
@@ -61,7 +61,7 @@ def data_check(data_dir: str | None) -> tuple[list[str], list[str]]:
 def judge_calibration(pair: PairConfig, pairs_file: Path) -> Iterator[str]:
     """Sweep the pair's embedding judge's cosine threshold on labelled step pairs, with and without the
     numbers-must-match rule: accuracy, precision, recall and F1 per threshold, and the best F1."""
-    from semspec.models.judges import EmbeddingJudge, calibrate, load_judge, load_labelled_pairs
+    from semspec.models.spec.judges import EmbeddingJudge, calibrate, load_judge, load_labelled_pairs
 
     if pair.judge.kind != "embedding":
         raise ValueError(

@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from semspec.models.judges import Judge, load_judge, semantic_entropy
-from semspec.models.names import ROLES
-from semspec.models.pair import JudgeSpec, PairConfig
+from semspec.models.lm.pair import JudgeSpec, PairConfig
+from semspec.models.spec.judges import Judge, load_judge, semantic_entropy
+from semspec.models.spec.names import ROLES
 from semspec.tasks.config import ClusterConfig, Params
 from semspec.tasks.io import (
     content_md5,

@@ -14,7 +14,10 @@ from typing import Any
 
 import yaml
 
-from semspec.models.names import (
+from semspec.models.lm.pair import from_mapping
+from semspec.models.project.names import SMOKE_STAGE, STAGES
+from semspec.models.project.pairs import project_root
+from semspec.models.spec.names import (
     ALL_DOMAINS,
     FLOOR_AUTO,
     GAMMA_AUTO,
@@ -22,15 +25,11 @@ from semspec.models.names import (
     PROBE_METHOD,
     PROBE_VARIANTS,
     ROLES,
-    SMOKE_STAGE,
-    STAGES,
     check_domain,
     method_label,
     probe_key,
 )
-from semspec.models.pair import from_mapping
-from semspec.models.project import project_root
-from semspec.models.steps import check_strategy
+from semspec.models.spec.steps import check_strategy
 
 EXECUTORS = ("ray", "local")
 
@@ -414,7 +413,7 @@ class Params:
 
     pair: str = "embedded"
     profile: str = "demo"
-    split_strategy: str = "paragraph"  # what a step is, for every stage (models/steps.py)
+    split_strategy: str = "paragraph"  # what a step is, for every stage (models/spec/steps.py)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -24,8 +24,8 @@ from semspec.models import cpu, steps
 from semspec.models import lm as lm_module
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM
-from semspec.models.names import ROLES
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.names import ROLES
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import content_md5, ensure_manifest, file_md5, read_shards, source_md5
 from semspec.tasks.sample import batches, done_prefixes, run_jobs

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from semspec.models.grading import extract_answer
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
+from semspec.models.spec.grading import extract_answer
 
 log = logging.getLogger(__name__)
 

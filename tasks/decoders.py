@@ -1,5 +1,5 @@
 """Build any decoder for a pair; SemanticSpec's probes are loaded from the MLflow registry, or from a folder
-of exported probes (``semspec.models.probe_card``), a path on which nothing imports MLflow."""
+of exported probes (``semspec.models.project.probe_card``), a path on which nothing imports MLflow."""
 
 from __future__ import annotations
 
@@ -11,21 +11,17 @@ from typing import Any
 
 import torch
 
-from semspec.models.decoding import (
-    Decoder,
-    DecodeSettings,
-    ProbeFn,
-    SemanticSpecDecoder,
-    SingleModelDecoder,
-    SpecReasonDecoder,
-    gamma_for,
-)
 from semspec.models.lm import LM, Pooled
-from semspec.models.names import FLOOR_AUTO, GAMMA_AUTO, METHODS, ROLES, split_probe_key
-from semspec.models.pair import PairConfig
-from semspec.models.probe import probe_probabilities, probe_probability
-from semspec.models.probe_card import ProbeCard, check_card, load_card_probe, read_card
-from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.probe_card import ProbeCard, check_card, load_card_probe, read_card
+from semspec.models.spec.batching import SingleModelDecoder
+from semspec.models.spec.names import FLOOR_AUTO, GAMMA_AUTO, METHODS, ROLES, split_probe_key
+from semspec.models.spec.probe import probe_probabilities, probe_probability
+from semspec.models.spec.results import Decoder
+from semspec.models.spec.semanticspec import ProbeFn, SemanticSpecDecoder
+from semspec.models.spec.settings import DecodeSettings, gamma_for
+from semspec.models.spec.specreason import SpecReasonDecoder
+from semspec.models.spec.token_level import AssistedDecoder, TokenSpecDecoder
 from semspec.tasks.config import EvaluateConfig
 
 log = logging.getLogger(__name__)
@@ -130,7 +126,7 @@ def build_decoder(
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
     champions, and resolves ``min_ratio: auto`` and ``min_p: auto`` to the floors their train run chose
     on validation (none for Random, which keeps the paper's rule). With ``probes_dir`` (a local folder of
-    exported probes: ``semspec.models.probe_card.resolve_probes`` makes one of a Hub repo id) both probes
+    exported probes: ``semspec.models.project.probe_card.resolve_probes`` makes one of a Hub repo id) both probes
     and the floors come from that folder and its card instead, and MLflow is not imported.
     ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
     vocabularies)."""

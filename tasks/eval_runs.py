@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from semspec.models.names import PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.names import PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import atomic_path, config_hash

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import bootstrap
 
-from semspec.models.decoding import DecodeResult
+from semspec.models.spec.results import DecodeResult
 from semspec.tasks.data import Problem
 
 

@@ -13,8 +13,8 @@ import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking.context.registry import resolve_tags
 
-from semspec.models.names import ROLES, STEP_METHODS, parse_label
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.names import ROLES, STEP_METHODS, parse_label
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.io import config_hash, git_commit
 from semspec.tasks.probe_registry import TRACKING_ERRORS, setup_experiment

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from semspec.models.decoding import DecodeResult, MethodNotApplicable, decode_all
 from semspec.models.lm import LM, load_lm
-from semspec.models.names import ROLES, parse_label
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.batching import decode_all
+from semspec.models.spec.names import ROLES, parse_label
+from semspec.models.spec.results import DecodeResult
+from semspec.models.spec.settings import MethodNotApplicable
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.data import Problem
 from semspec.tasks.decoders import build_decoder, decode_settings

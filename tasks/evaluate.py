@@ -21,11 +21,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from semspec.models.decoding import DecodeResult
-from semspec.models.grading import grade
 from semspec.models.lm import LM
-from semspec.models.names import PROBE_METHOD
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.grading import grade
+from semspec.models.spec.names import PROBE_METHOD
+from semspec.models.spec.results import DecodeResult
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem
 from semspec.tasks.eval_plots import write_plots

@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from semspec.models.decoding import DecodeSettings
 from semspec.models.lm import LM, load_lm
-from semspec.models.pair import PairConfig
-from semspec.models.steps import joiner, split_steps
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.settings import DecodeSettings
+from semspec.models.spec.steps import joiner, split_steps
 from semspec.tasks.config import IngestConfig, Params
 from semspec.tasks.data import (
     MAX_STEPS,

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from semspec.models.project import project_root
+from semspec.models.project.pairs import project_root
 
 
 @contextmanager

@@ -22,9 +22,10 @@ from typing import IO, Any
 
 import httpx
 
-from semspec.models.decoding import DecodeResult, DecodeSettings, Timings
-from semspec.models.grading import extract_answer
 from semspec.models.lm import LM
+from semspec.models.spec.grading import extract_answer
+from semspec.models.spec.results import DecodeResult, Timings
+from semspec.models.spec.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """``semspec probes export|import``: a pair's champion probes out of the MLflow registry into a folder
-that travels (``semspec.models.probe_card``: safetensors + one JSON card), and such a folder into the
+that travels (``semspec.models.project.probe_card``: safetensors + one JSON card), and such a folder into the
 local registry, registered with the tags they had, so ``load_probe`` accepts them."""
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from pathlib import Path
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from semspec.models.names import (
-    ALL_DOMAINS,
-    CHAMPION,
-    FEATURE_COLUMNS,
-    ROLES,
-    probe_key,
-    registered_name,
-    split_probe_key,
-)
-from semspec.models.pair import PairConfig
-from semspec.models.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
-from semspec.models.probe_card import (
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.names import CHAMPION, registered_name
+from semspec.models.project.probe_card import (
     CARD_FILE,
     CARD_VERSION,
     FLOORS,
@@ -38,6 +29,8 @@ from semspec.models.probe_card import (
     resolve_probes,
     write_card,
 )
+from semspec.models.spec.names import ALL_DOMAINS, FEATURE_COLUMNS, ROLES, probe_key, split_probe_key
+from semspec.models.spec.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
 from semspec.tasks.probe_registry import (
     ProbeRef,
     check_tracking,
@@ -104,7 +97,7 @@ def export_probes(
     ``out_dir`` with the card ``semspec-probes.json``; returns ``out_dir``. The folder is written whole in
     a temporary folder beside it and renamed into place. An existing non-empty ``out_dir`` is refused,
     unless ``overwrite`` and it holds an earlier export (a card)."""
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
 
     cfg = pair if isinstance(pair, PairConfig) else load_pair(pair)
     out_dir = Path(out_dir)
@@ -251,7 +244,7 @@ def import_probes(folder: str | Path) -> list[ProbeRef]:
     Every probe is checked (sha256) before any is registered, and, where this checkout has a pair file of
     that name, the card against it (model ids, pooling; a format other than this machine's is only
     logged). Returns the registered probes."""
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
 
     source = folder
     folder = resolve_probes(folder)

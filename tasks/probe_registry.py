@@ -1,6 +1,6 @@
 """MLflow I/O: the pair's experiment, registering a probe and loading it back (with the model-fit check).
 
-Probes are stored as safetensors weights + a JSON config (``semspec.models.probe.save_probe``), logged as
+Probes are stored as safetensors weights + a JSON config (``semspec.models.spec.probe.save_probe``), logged as
 run artifacts; the registry's versions point at them. Nothing here unpickles anything."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from torch import nn
 
-from semspec.models.names import CHAMPION, experiment_name, registered_name
-from semspec.models.probe import WEIGHTS_FILE, load_probe_folder, sha256_of
-from semspec.models.settings import settings
+from semspec.models.project.names import CHAMPION, experiment_name, registered_name
+from semspec.models.project.settings import settings
+from semspec.models.spec.probe import WEIGHTS_FILE, load_probe_folder, sha256_of
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 
-from semspec.models.settings import apply_env, settings
+from semspec.models.project.settings import apply_env, settings
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from semspec.models.names import CHAMPION, PROBE_METHOD, ROLES, probe_key, registered_name
-from semspec.models.project import list_pairs, load_pair
-from semspec.models.weights import unavailable_reason
+from semspec.models.lm.weights import unavailable_reason
+from semspec.models.project.names import CHAMPION, registered_name
+from semspec.models.project.pairs import list_pairs, load_pair
+from semspec.models.spec.names import PROBE_METHOD, ROLES, probe_key
 from semspec.tasks.fingerprint import FINGERPRINT_REASONS, pipeline_fingerprint
 from semspec.tasks.probe_registry import check_tracking
 

@@ -25,7 +25,7 @@ from semspec.models import cpu, steps
 from semspec.models import lm as lm_module
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
-from semspec.models.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelSpec, PairConfig
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import (
     ensure_manifest,

@@ -30,10 +30,10 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from semspec.models.names import ALL_DOMAINS, FEATURE_COLUMNS, ROLES, probe_key, split_probe_key
-from semspec.models.pair import PairConfig
-from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
-from semspec.models.project import project_root
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.pairs import project_root
+from semspec.models.spec.names import ALL_DOMAINS, FEATURE_COLUMNS, ROLES, probe_key, split_probe_key
+from semspec.models.spec.probe import ProbeMLP, RandomProbe, save_probe
 from semspec.tasks.config import Params, TrainConfig
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import (

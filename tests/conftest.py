@@ -17,7 +17,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 @pytest.fixture(autouse=True)
 def _fresh_settings():
     """Settings are read once per process; each test reads its own environment (monkeypatch.setenv)."""
-    from semspec.models.settings import settings
+    from semspec.models.project.settings import settings
 
     settings.cache_clear()
     yield
@@ -35,7 +35,7 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_pair():
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
 
     return load_pair("embedded")
 

@@ -10,19 +10,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ORCHESTRATION = ("prefect", "mlflow", "ray", "dvc", "semspec.tasks", "semspec.flows")
-# (folder, what its modules never import, why)
+# (folder or file, what its modules never import, why)
 RULES = [
     ("models", ORCHESTRATION, "the model layer runs without the pipeline's services"),
     (
         "models/spec",
-        ("semspec.models.cpu", "semspec.models.lm", "torch"),
-        "the rule is arithmetic on p, q, u",
+        ("semspec.models.cpu", "semspec.models.project"),
+        "the algorithm runs on any LM, in any project",
     ),
-    ("models/cpu", ("semspec.models.lm", "semspec.models.spec", "semspec.models.decoding"), "runtime below"),
+    ("models/spec/rules.py", ("semspec", "torch", "numpy"), "the rule is arithmetic on p, q, u"),
+    ("models/cpu", ("semspec.models.lm", "semspec.models.spec"), "the runtime is below the models"),
 ]
-# within models/, only these import the CPU runtime: the LM adapter (it loads and runs models on it), the
-# pair schema (the format names a pair file may give) and the probe card (the format a probe was trained in)
-CPU_USERS = ("models/lm", "models/cpu", "models/pair.py", "models/probe_card.py")
+# the algorithm's leaves: the vocabulary, what a step is, the rule and answer grading; the LM adapter may
+# read these and nothing else of models/spec, so the algorithm sits on the adapter and not the other way
+SPEC_LEAVES = ("names", "steps", "rules", "grading")
+# within models/, only these import the CPU runtime: the LM adapter (it loads and runs models on it, and
+# its pair schema names the formats) and the probe card (the format a probe was trained in)
+CPU_USERS = ("models/lm", "models/cpu", "models/project/probe_card.py")
 
 
 def imports(path: Path) -> set[str]:
@@ -40,14 +44,27 @@ def _hits(names: set[str], banned: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(n == b or n.startswith(b + ".") for b in banned))
 
 
-@pytest.mark.parametrize("folder, banned, why", RULES, ids=[r[0] for r in RULES])
-def test_each_layer_imports_only_what_it_may(folder, banned, why):
-    bad = {
-        str(p.relative_to(ROOT)): hits
-        for p in sorted((ROOT / folder).rglob("*.py"))
-        if (hits := _hits(imports(p), banned))
-    }
-    assert not bad, f"{folder} must not import {banned} ({why}): {bad}"
+def _files(where: str) -> list[Path]:
+    path = ROOT / where
+    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+
+
+@pytest.mark.parametrize("where, banned, why", RULES, ids=[r[0] for r in RULES])
+def test_each_layer_imports_only_what_it_may(where, banned, why):
+    bad = {str(p.relative_to(ROOT)): hits for p in _files(where) if (hits := _hits(imports(p), banned))}
+    assert not bad, f"{where} must not import {banned} ({why}): {bad}"
+
+
+def test_the_adapter_reads_only_the_algorithm_s_leaves_and_they_import_nothing_of_the_project_s():
+    spec = "semspec.models.spec"
+    leaves = tuple(f"{spec}.{m}" for m in SPEC_LEAVES)
+    for path in _files("models/lm"):
+        beyond = [n for n in _hits(imports(path), (spec,)) if n != spec and not n.startswith(leaves)]
+        assert not beyond, f"{path.relative_to(ROOT)} imports {beyond}: the adapter may read only {leaves}"
+    for leaf in SPEC_LEAVES:
+        path = ROOT / "models/spec" / f"{leaf}.py"
+        project = [n for n in _hits(imports(path), ("semspec",)) if not n.startswith(leaves)]
+        assert not project, f"{path.relative_to(ROOT)} imports {project}: a leaf imports only other leaves"
 
 
 def test_within_models_only_the_adapter_and_the_format_vocabulary_import_the_cpu_runtime():
@@ -65,3 +82,14 @@ def test_the_check_catches_a_banned_import(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from semspec.tasks.io import file_md5\n    import mlflow\n")
     assert _hits(imports(bad), ORCHESTRATION) == ["mlflow", "semspec.tasks.io", "semspec.tasks.io.file_md5"]
+
+
+def test_models_is_four_subsystems_and_nothing_loose():
+    loose = sorted(p.name for p in (ROOT / "models").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"models/ holds spec/, lm/, cpu/ and project/ only; move {loose} into one of them"
+    assert {p.name for p in (ROOT / "models").iterdir() if (p / "__init__.py").is_file()} == {
+        "spec",
+        "lm",
+        "cpu",
+        "project",
+    }

@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from semspec.models.cpu import build
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from semspec.models.cpu import attention, build, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import QuantLinear
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from semspec.models.cpu import int4_kernel, int8_kernel, ops
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
 

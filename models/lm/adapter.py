@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from semspec.models.cpu import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import Format, resolve_format
 from semspec.models.lm.cache import crop_to, fits_window, row_cache, stack_caches, stackable
+from semspec.models.lm.pair import ModelSpec
 from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages, neutralize, plain_chat
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
 from semspec.models.lm.types import (
@@ -23,8 +24,7 @@ from semspec.models.lm.types import (
     StepScore,
     StepStart,
 )
-from semspec.models.pair import ModelSpec
-from semspec.models.steps import step_end
+from semspec.models.spec.steps import step_end
 
 
 class LM:

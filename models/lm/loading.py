@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 from semspec.models.cpu.formats import Format, quantize_model, resolve_format
 from semspec.models.lm import weight_cache
 from semspec.models.lm.adapter import LM, dtype_name
-from semspec.models.pair import ModelSpec
-from semspec.models.weights import (
+from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.weights import (
     converted_cache_path,
     converted_enabled,
     converted_key,

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from semspec.models.lm.cache import crop_to, fits_window
-from semspec.models.names import FEATURE_COLUMNS
+from semspec.models.spec.names import FEATURE_COLUMNS
 
 
 @dataclass

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from semspec.models.cpu import int4_kernel, int8_kernel
 from semspec.models.cpu.formats import Format, QuantLinear
-from semspec.models.weights import cache_dir, safe_name
+from semspec.models.lm.weights import cache_dir, safe_name
 
 log = logging.getLogger(__name__)
 

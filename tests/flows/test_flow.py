@@ -8,7 +8,7 @@ from prefect import task
 
 import semspec.flows.pipeline as pipeline
 from semspec.flows.stages import StageRun
-from semspec.models.names import STAGES
+from semspec.models.project.names import STAGES
 
 
 @pytest.fixture(scope="module")

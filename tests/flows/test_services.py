@@ -13,7 +13,7 @@ import pytest
 
 from semspec.flows import services as svcs
 from semspec.flows.services import Service, port_in_use, start, state_dir, stop
-from semspec.models.settings import reload_settings
+from semspec.models.project.settings import reload_settings
 from tests.helpers.project import free_port
 
 

@@ -11,14 +11,14 @@ import pytest
 from typer.testing import CliRunner
 
 import semspec.models.lm as lm_module
-import semspec.models.project as project
+import semspec.models.project.pairs as project
 import semspec.tasks.bench as bench
 import semspec.tasks.config as config
 import semspec.tasks.decoders as decoders
 import semspec.tasks.eval_workers as eval_workers
 from semspec.flows.cli import app
 from semspec.flows.pipeline import SMOKE_TOKENS, smoke_settings
-from semspec.models.decoding import DecodeSettings
+from semspec.models.spec.settings import DecodeSettings
 
 # every knob away from DecodeSettings' own defaults, so a call site that forgets one shows
 PARAMS = [

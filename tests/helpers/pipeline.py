@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from semspec.models.pair import PairConfig
-from semspec.models.project import load_pair
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.pairs import load_pair
 from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 

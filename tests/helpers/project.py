@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from semspec.models.settings import Settings, project_env
+from semspec.models.project.settings import Settings, project_env
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("dvc.yaml", "params.yaml", "conf", "models", "tasks")  # the stages' files and deps

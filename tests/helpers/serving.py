@@ -14,16 +14,19 @@ import uvicorn
 
 from semspec.api import SemanticSpec
 from semspec.flows.server import ServeConfig, create_app
-from semspec.models.decoding import (
-    BatchDecoder,
-    DecodeSettings,
-    SemanticSpecDecoder,
-    SingleModelDecoder,
-)
 from semspec.models.lm import LM
-from semspec.models.pair import PairConfig
-from semspec.models.probe import ProbeMLP, save_probe, sha256_of
-from semspec.models.probe_card import CARD_VERSION, CardProbe, ProbeCard, probe_folder_name, write_card
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.probe_card import (
+    CARD_VERSION,
+    CardProbe,
+    ProbeCard,
+    probe_folder_name,
+    write_card,
+)
+from semspec.models.spec.batching import BatchDecoder, SingleModelDecoder
+from semspec.models.spec.probe import ProbeMLP, save_probe, sha256_of
+from semspec.models.spec.semanticspec import SemanticSpecDecoder
+from semspec.models.spec.settings import DecodeSettings
 from tests.helpers.project import free_port
 from tests.helpers.tiny import tiny_lm
 

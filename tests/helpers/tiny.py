@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from semspec.models.lm import LM
-from semspec.models.pair import ModelSpec
+from semspec.models.lm.pair import ModelSpec
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]

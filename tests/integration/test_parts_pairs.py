@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from semspec.models.project import load_pair
-from semspec.models.weights import parts_missing, resolve_spec
+from semspec.models.lm.weights import parts_missing, resolve_spec
+from semspec.models.project.pairs import load_pair
 
 pytestmark = pytest.mark.embedded
 

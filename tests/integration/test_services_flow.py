@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from semspec.models.names import STAGES
+from semspec.models.project.names import STAGES
 from tests.helpers.project import copy_project, free_port, project_environ
 
 pytestmark = [pytest.mark.embedded, pytest.mark.services, pytest.mark.timeout(2400)]

@@ -18,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from openai import OpenAI
 
-from semspec.models.decoding import DecodeSettings
+from semspec.models.spec.settings import DecodeSettings
 from tests.helpers.serving import running_server, write_untrained_probes
 
 pytestmark = pytest.mark.embedded

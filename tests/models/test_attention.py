@@ -10,7 +10,7 @@ import torch
 
 from semspec.models.cpu import attention, build, int8_kernel
 from semspec.models.cpu.formats import cpu_info
-from semspec.models.settings import reload_settings
+from semspec.models.project.settings import reload_settings
 
 BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
@@ -134,7 +134,7 @@ def test_off_or_unbuildable_it_is_sdpa_with_a_warning(fresh, monkeypatch, caplog
 
 
 def test_a_bad_setting_names_the_variable(monkeypatch):
-    from semspec.models.settings import Settings
+    from semspec.models.project.settings import Settings
 
     with pytest.raises(ValueError, match="SEMSPEC_DECODE_ATTENTION"):
         Settings.from_env({"SEMSPEC_DECODE_ATTENTION": "fast"})

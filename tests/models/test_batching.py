@@ -9,14 +9,11 @@ import pytest
 import torch
 
 import semspec.models.lm.adapter as adapter
-from semspec.models.decoding import (
-    DecodeSettings,
-    SemanticSpecDecoder,
-    SingleModelDecoder,
-    SpecReasonDecoder,
-    decode_all,
-)
 from semspec.models.lm import LM, StepStart
+from semspec.models.spec.batching import SingleModelDecoder, decode_all
+from semspec.models.spec.semanticspec import SemanticSpecDecoder
+from semspec.models.spec.settings import DecodeSettings
+from semspec.models.spec.specreason import SpecReasonDecoder
 from tests.helpers.tiny import tiny_gemma_lm, tiny_lm
 
 QUESTIONS = [

@@ -10,7 +10,7 @@ import torch
 
 from semspec.models.cpu import attention, build, decode_layer, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import Format, cpu_info, quantize_model
-from semspec.models.settings import Settings, reload_settings
+from semspec.models.project.settings import Settings, reload_settings
 
 BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")

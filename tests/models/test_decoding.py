@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder, SingleModelDecoder, SpecReasonDecoder
 from semspec.models.lm import StepStart
+from semspec.models.spec.batching import SingleModelDecoder
+from semspec.models.spec.semanticspec import SemanticSpecDecoder
+from semspec.models.spec.settings import DecodeSettings
+from semspec.models.spec.specreason import SpecReasonDecoder
 from tests.helpers.tiny import tiny_lm
 
 Q = "What is 2 + 3?"

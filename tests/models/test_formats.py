@@ -22,8 +22,8 @@ from semspec.models.cpu.formats import (
     resolve_format,
 )
 from semspec.models.lm import LM
-from semspec.models.pair import ModelSpec
-from semspec.models.settings import Settings, reload_settings
+from semspec.models.lm.pair import ModelSpec
+from semspec.models.project.settings import Settings, reload_settings
 from tests.helpers.tiny import tiny_lm
 
 AVX2 = CpuInfo("AVX2", frozenset({"avx", "avx2", "fma"}))
@@ -289,13 +289,11 @@ def test_every_decoder_runs_on_int8_models():
     """Decoders, transformers' assisted generation included, on quantized models: nothing reads a linear
     layer's ``weight`` (an int layer has none), and greedy target-only decoding is SemanticSpec's output
     when every step is rejected."""
-    from semspec.models.decoding import (
-        DecodeSettings,
-        SemanticSpecDecoder,
-        SingleModelDecoder,
-        SpecReasonDecoder,
-    )
-    from semspec.models.token_level import AssistedDecoder, TokenSpecDecoder
+    from semspec.models.spec.batching import SingleModelDecoder
+    from semspec.models.spec.semanticspec import SemanticSpecDecoder
+    from semspec.models.spec.settings import DecodeSettings
+    from semspec.models.spec.specreason import SpecReasonDecoder
+    from semspec.models.spec.token_level import AssistedDecoder, TokenSpecDecoder
 
     fmt = Format("int8", torch.float32, dense_rows=4, dense_copy=True)
     draft, target = (_in_format(tiny_lm(seed=s, hidden=64), fmt) for s in (1, 2))

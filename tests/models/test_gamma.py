@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from semspec.models.decoding import GAMMA_MAX, DecodeSettings, gamma_for
+from semspec.models.spec.settings import GAMMA_MAX, DecodeSettings, gamma_for
 from semspec.tasks.decoders import resolve_auto
 
 

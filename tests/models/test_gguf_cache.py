@@ -14,7 +14,7 @@ import torch
 
 import semspec.models.lm.loading as loading
 from semspec.models.lm import load_lm
-from semspec.models.pair import ModelSpec
+from semspec.models.lm.pair import ModelSpec
 from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 TEXT = "12 * 7 = 84.\n\nSo the answer is 84."

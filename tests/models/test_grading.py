@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semspec.models.grading import extract_answer, grade, is_equiv, last_boxed
+from semspec.models.spec.grading import extract_answer, grade, is_equiv, last_boxed
 
 # (gold, prediction): equivalent pairs, checked in both directions
 EQUIVALENT = [

@@ -117,7 +117,7 @@ def test_a_packed_layer_turned_off_after_loading_still_multiplies(fresh, monkeyp
 def test_without_the_kernel_int4_keeps_pytorchs_layout(fresh, monkeypatch):
     """Turned off (or a CPU without AVX512_BF16): PyTorch's packing and op, the same products."""
     monkeypatch.setenv("SEMSPEC_KERNELS", "off")
-    from semspec.models.settings import reload_settings
+    from semspec.models.project.settings import reload_settings
 
     reload_settings()
     try:

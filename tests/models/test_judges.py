@@ -9,7 +9,13 @@ import pytest
 import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
-from semspec.models.judges import EmbeddingJudge, NLIJudge, greedy_cluster, normalize_step, semantic_entropy
+from semspec.models.spec.judges import (
+    EmbeddingJudge,
+    NLIJudge,
+    greedy_cluster,
+    normalize_step,
+    semantic_entropy,
+)
 from tests.helpers.tiny import char_tokenizer
 
 
@@ -199,8 +205,8 @@ def test_embedding_judge_fits_its_window_the_same_way():
 
 
 def test_judge_weights_are_checked_against_the_pinned_sha256_before_loading(tmp_path):
-    from semspec.models.judges import load_judge
-    from semspec.models.pair import JudgeSpec
+    from semspec.models.lm.pair import JudgeSpec
+    from semspec.models.spec.judges import load_judge
 
     (tmp_path / "model.safetensors").write_bytes(b"not the weights the pair file pins")
     spec = JudgeSpec(

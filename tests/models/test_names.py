@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from semspec.models.names import method_label, parse_label, probe_key, registered_name, split_probe_key
+from semspec.models.project.names import registered_name
+from semspec.models.spec.names import method_label, parse_label, probe_key, split_probe_key
 
 
 def test_domain_probes_are_named_with_their_domain():

@@ -4,7 +4,7 @@ so no full copy is built in CPU memory first; a CPU model loads as before."""
 from __future__ import annotations
 
 from semspec.models.lm import loading
-from semspec.models.pair import ModelSpec
+from semspec.models.lm.pair import ModelSpec
 
 
 def _spec(device: str) -> ModelSpec:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from semspec.models.lm import Pooled
-from semspec.models.probe import (
+from semspec.models.spec.probe import (
     ProbeMLP,
     RandomProbe,
     load_probe_folder,

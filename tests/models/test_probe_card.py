@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from semspec.models.pair import ModelSpec, PairConfig
-from semspec.models.probe import ProbeMLP, save_probe, sha256_of
-from semspec.models.probe_card import (
+from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.project.probe_card import (
     CARD_FILE,
     CARD_VERSION,
     CardProbe,
@@ -25,6 +24,7 @@ from semspec.models.probe_card import (
     resolve_probes,
     write_card,
 )
+from semspec.models.spec.probe import ProbeMLP, save_probe, sha256_of
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTHS = {"draft": 8, "target": 12}
@@ -187,7 +187,7 @@ def test_a_hub_repo_id_goes_through_snapshot_download(tmp_path, monkeypatch, sou
     assert call["local_files_only"] is True  # HF_HUB_OFFLINE: the cache only
     assert CARD_FILE in call["allow_patterns"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    from semspec.models.settings import settings
+    from semspec.models.project.settings import settings
 
     settings.cache_clear()
     resolve_probes(source)
@@ -216,8 +216,8 @@ def test_reading_a_folder_imports_no_mlflow(tmp_path):
 import sys
 from pathlib import Path
 import torch
-from semspec.models.pair import ModelSpec, PairConfig
-from semspec.models.probe_card import load_card_probe, read_card, resolve_probes
+from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.project.probe_card import load_card_probe, read_card, resolve_probes
 from semspec.tasks.decoders import check_probes
 folder = resolve_probes({str(tmp_path)!r})
 card = read_card(folder)

@@ -7,8 +7,8 @@ import copy
 import pytest
 import yaml
 
-from semspec.models.pair import PairConfig
-from semspec.models.project import list_pairs, load_pair, pairs_dir
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.pairs import list_pairs, load_pair, pairs_dir
 
 
 def test_shipped_pairs_validate():
@@ -105,7 +105,7 @@ def test_trust_remote_code_is_warned_about_naming_the_pair_and_model(tmp_path, c
 
     import yaml
 
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
 
     spec = {"source": "local", "path": str(tmp_path), "prompt": "plain"}
     pair = {
@@ -114,7 +114,7 @@ def test_trust_remote_code_is_warned_about_naming_the_pair_and_model(tmp_path, c
         "target": {"model_id": "org/custom-code", "trust_remote_code": True, **spec},
     }
     (tmp_path / "remote.yaml").write_text(yaml.safe_dump(pair))
-    with caplog.at_level(logging.WARNING, logger="semspec.models.project"):
+    with caplog.at_level(logging.WARNING, logger="semspec.models.project.pairs"):
         load_pair("remote", directory=tmp_path)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "pair remote: org/custom-code sets trust_remote_code" in warned[0]
@@ -122,7 +122,7 @@ def test_trust_remote_code_is_warned_about_naming_the_pair_and_model(tmp_path, c
 
 @pytest.mark.parametrize("name", ["../secrets", "a/b", ".hidden", "x y"])
 def test_pair_names_cannot_escape_conf_pairs(name, tmp_path):
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
 
     with pytest.raises(ValueError, match="must be a file name in conf/pairs"):
         load_pair(name, directory=tmp_path)

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from semspec.models.token_level import speculative_sample
+from semspec.models.spec.token_level import speculative_sample
 
 V = 6
 PROMPT = [1, 2, 3]
@@ -107,8 +107,9 @@ def test_speculative_sampling_arguments(models):
 
 
 def test_greedy_speculation_is_the_target_token_for_token():
-    from semspec.models.decoding import DecodeSettings, SingleModelDecoder
-    from semspec.models.token_level import TokenSpecDecoder
+    from semspec.models.spec.batching import SingleModelDecoder
+    from semspec.models.spec.settings import DecodeSettings
+    from semspec.models.spec.token_level import TokenSpecDecoder
     from tests.helpers.tiny import tiny_lm
 
     # one character vocabulary; the draft is the target with a noisy output head: right on some tokens only
@@ -127,8 +128,8 @@ def test_greedy_speculation_is_the_target_token_for_token():
 
 
 def test_token_speculation_refuses_two_vocabularies():
-    from semspec.models.decoding import DecodeSettings, MethodNotApplicable
-    from semspec.models.token_level import TokenSpecDecoder
+    from semspec.models.spec.settings import DecodeSettings, MethodNotApplicable
+    from semspec.models.spec.token_level import TokenSpecDecoder
     from tests.helpers.tiny import tiny_lm
 
     with pytest.raises(MethodNotApplicable, match="different tokenizers"):

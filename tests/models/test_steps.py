@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semspec.models.steps import joiner, split_steps, step_end
+from semspec.models.spec.steps import joiner, split_steps, step_end
 from tests.helpers.tiny import boost_tokens, char_tokenizer, tiny_lm
 
 

@@ -10,7 +10,7 @@ import torch
 
 from semspec.models.cpu.formats import Format, QuantLinear, quantize_model
 from semspec.models.lm import weight_cache
-from semspec.models.settings import reload_settings
+from semspec.models.project.settings import reload_settings
 from tests.helpers.tiny import char_tokenizer, tiny_llama
 
 INT4 = Format("int4", torch.bfloat16, dense_rows=None)

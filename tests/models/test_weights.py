@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from semspec.models.pair import ModelSpec
-from semspec.models.weights import join_parts, parts_missing, resolve_spec, unavailable_reason, verify_sha256
+from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.weights import (
+    join_parts,
+    parts_missing,
+    resolve_spec,
+    unavailable_reason,
+    verify_sha256,
+)
 
 
 def _fake_dist(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import semspec.models.judges as judges
+import semspec.models.spec.judges as judges
 from semspec.tasks.checks import judge_calibration
 
 PAIRS = """pairs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import load_params
 
 
@@ -23,7 +23,7 @@ def test_default_params_are_the_demo_profile():
 
 
 def test_every_shipped_pair_picks_its_format_for_the_machine():
-    from semspec.models.project import list_pairs
+    from semspec.models.project.pairs import list_pairs
 
     for name in list_pairs():
         pair = load_pair(name)
@@ -105,7 +105,7 @@ def test_unknown_profile_and_missing_file(tmp_path):
 def test_a_profile_replaces_a_dict_setting_whole(tmp_path):
     import yaml
 
-    from semspec.models.project import project_root
+    from semspec.models.project.pairs import project_root
 
     base = yaml.safe_load((project_root() / "params.yaml").read_text())
     assert len(base["evaluate"]["benchmarks"]) > 1, "params.yaml evaluates more than one benchmark"

@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
-from semspec.models.pair import PairConfig
+from semspec.models.lm.pair import PairConfig
+from semspec.models.spec.semanticspec import SemanticSpecDecoder
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import SampleConfig
 from semspec.tasks.cross import run_cross
 from semspec.tasks.io import column_matrix, read_shards
@@ -124,7 +125,7 @@ def test_cross_needs_both_roles_sampled(tmp_path):
 CROSS_SCRIPT = """
 import sys
 from pathlib import Path
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import SampleConfig
 from semspec.tasks.cross import run_cross
 tmp = Path(sys.argv[1])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semspec.models.steps import split_steps
+from semspec.models.spec.steps import split_steps
 from semspec.tasks import data as D
 
 EXPECTED = {"s1k": 1000, "math500": 500, "aime24": 30, "amc23": 40, "gpqa": 198}

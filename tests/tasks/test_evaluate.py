@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from semspec.models.decoding import DecodeResult, SingleModelDecoder, StepRecord
-from semspec.models.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.spec.batching import SingleModelDecoder
+from semspec.models.spec.results import DecodeResult, StepRecord
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.data import Problem
 from semspec.tasks.eval_stats import bootstrap_pass, problem_row, summarize_rows
@@ -136,7 +137,7 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
 
 
 def test_bench_runs_token_speculation_or_says_why_not():
-    from semspec.models.decoding import DecodeSettings
+    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks.bench import format_bench, run_bench
 
     settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
@@ -155,7 +156,8 @@ def test_bench_runs_semanticspec_with_each_gamma_in_the_same_run(monkeypatch):
     """``also_gammas``: each SemanticSpec variant once more per gamma, labelled, with that gamma only,
     and the table stays aligned with the longer labels."""
     import semspec.tasks.bench as bench_task
-    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+    from semspec.models.spec.semanticspec import SemanticSpecDecoder
+    from semspec.models.spec.settings import DecodeSettings
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     real = bench_task.build_decoder
@@ -205,7 +207,8 @@ def test_evaluate_in_batches_writes_the_same_answers(tmp_path):
 
 
 def test_batch_bench_reports_each_batch_size_beside_the_target(monkeypatch):
-    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+    from semspec.models.spec.semanticspec import SemanticSpecDecoder
+    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks import bench
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
@@ -274,7 +277,7 @@ def test_evaluate_decodes_with_the_configured_top_p():
 
 
 def test_every_method_has_its_own_fixed_colour():
-    from semspec.models.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, method_label
+    from semspec.models.spec.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, method_label
     from semspec.tasks.eval_plots import method_style
 
     labels = [m for m in METHODS if m != PROBE_METHOD] + [

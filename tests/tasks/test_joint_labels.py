@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from semspec.models.judges import Clustering, Judge
+from semspec.models.spec.judges import Clustering, Judge
 from semspec.tasks.cluster import label_joint
 from semspec.tasks.config import ClusterConfig
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from semspec.models.decoding import DecodeResult, DecodeSettings, Timings
+from semspec.models.spec.results import DecodeResult, Timings
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks import bench as bench_task
 from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer, find_server
 from tests.helpers.tiny import tiny_lm

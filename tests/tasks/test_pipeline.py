@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from semspec.models.judges import EmbeddingJudge
 from semspec.models.lm import load_lm
+from semspec.models.spec.judges import EmbeddingJudge
 from semspec.tasks.cluster import inject_noise, label_prefix, run_cluster
 from semspec.tasks.config import ClusterConfig, load_params
 from semspec.tasks.cross import run_cross
@@ -293,7 +293,7 @@ def test_per_domain_probes_train_register_and_load(stages, tmp_path, monkeypatch
 
 def test_registry_round_trip_and_mismatch(stages, trained):
     from semspec.models.lm import Pooled
-    from semspec.models.probe import probe_probability
+    from semspec.models.spec.probe import probe_probability
     from semspec.tasks.probe_registry import load_probe, read_pointers
 
     probe, ref = load_probe("tiny", "target", "mix", "tiny-target", 64)
@@ -390,7 +390,7 @@ def test_samples_of_other_feature_code_or_format_are_made_again(tmp_path, monkey
 SAMPLE_SCRIPT = """
 import sys
 from pathlib import Path
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import load_params
 from semspec.tasks.sample import run_sample
 tmp = Path(sys.argv[1])
@@ -433,7 +433,7 @@ def test_sample_resumes_after_a_kill(tmp_path, observed):
 
 
 def test_semanticspec_decoder_uses_the_registered_probes(stages, trained):
-    from semspec.models.decoding import DecodeSettings
+    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks.decoders import build_decoder
 
     pair = stages["pair"]
@@ -542,7 +542,7 @@ def test_an_evaluation_that_fails_marks_its_mlflow_runs_failed(stages, trained, 
 
 def test_random_probes_of_the_two_roles_draw_different_numbers(stages, trained):
     from semspec.models.lm import Pooled
-    from semspec.models.probe import probe_probability
+    from semspec.models.spec.probe import probe_probability
     from semspec.tasks.probe_registry import load_probe
 
     q, _ = load_probe("tiny", "draft", "random", "tiny-draft", 32)
@@ -649,7 +649,7 @@ def test_ingest_cuts_contexts_from_the_semanticspec_decoders_own_chains(tmp_path
     """``trace_author: semanticspec``: the chains are what the SemanticSpec decoder writes (greedy, within
     ``trace_max_tokens``, the champion ``all`` probes), built once for every question; a pair without
     registered probes is an error that says so."""
-    from semspec.models.decoding import DecodeResult
+    from semspec.models.spec.results import DecodeResult
     from semspec.tasks import ingest
 
     pair = write_tiny_pair(tmp_path / "pair")
@@ -688,8 +688,8 @@ def test_sentence_split_reaches_ingest_sampling_and_labels(tmp_path):
     """``split_strategy: sentence`` is one setting every stage reads: ingest's contexts are whole sentences
     joined by a space (more steps than paragraphs), the models end their samples at sentence ends, and
     the labels cover those samples."""
-    from semspec.models.project import load_pair
-    from semspec.models.steps import split_steps
+    from semspec.models.project.pairs import load_pair
+    from semspec.models.spec.steps import split_steps
 
     write_tiny_pair(tmp_path)
     pair = load_pair(tmp_path / "tiny.yaml", split_strategy="sentence")
@@ -948,7 +948,7 @@ def test_gamma_auto_decodes_with_the_rounds_the_probes_acceptance_keeps(stages, 
     steps; ``gamma: auto`` resolves to ``gamma_for`` that rate (Random: 1)."""
     import mlflow
 
-    from semspec.models.decoding import DecodeSettings, gamma_for
+    from semspec.models.spec.settings import DecodeSettings, gamma_for
     from semspec.tasks.decoders import build_decoder
 
     client = mlflow.MlflowClient(f"sqlite:///{stages['tmp']}/mlruns.db")
@@ -969,7 +969,8 @@ def test_min_ratio_auto_decodes_with_the_floor_the_train_run_chose(stages, train
     and a decoder handed an unresolved ``auto`` refuses it."""
     import mlflow
 
-    from semspec.models.decoding import DecodeSettings, SemanticSpecDecoder
+    from semspec.models.spec.semanticspec import SemanticSpecDecoder
+    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks.decoders import build_decoder
 
     client = mlflow.MlflowClient(f"sqlite:///{stages['tmp']}/mlruns.db")

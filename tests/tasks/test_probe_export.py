@@ -11,9 +11,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from semspec.models.names import ROLES
-from semspec.models.probe import ProbeMLP, RandomProbe, save_probe
-from semspec.models.probe_card import CARD_FILE, read_card
+from semspec.models.project.probe_card import CARD_FILE, read_card
+from semspec.models.spec.names import ROLES
+from semspec.models.spec.probe import ProbeMLP, RandomProbe, save_probe
 
 PAIR = "tp"
 HIDDEN = {"draft": 32, "target": 48}
@@ -38,7 +38,7 @@ def write_pair(project: Path, draft_id: str = MODEL_IDS["draft"]) -> Path:
 
 def use_registry(monkeypatch, folder: Path) -> None:
     """Point MLflow (tracking, registry, artifacts) at an SQLite registry in ``folder``."""
-    from semspec.models.settings import settings
+    from semspec.models.project.settings import settings
 
     folder.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{folder}/mlruns.db")
@@ -48,7 +48,7 @@ def use_registry(monkeypatch, folder: Path) -> None:
 
 def use_project(monkeypatch, project: Path) -> None:
     """Read pair files from ``project/conf/pairs``."""
-    from semspec.models.settings import settings
+    from semspec.models.project.settings import settings
 
     monkeypatch.setenv("SEMSPEC_PROJECT_DIR", str(project))
     settings.cache_clear()
@@ -139,7 +139,7 @@ def _same_probe(a, b, role: str) -> bool:
 def test_export_writes_the_champions_and_their_card(tmp_path, registry):
     import mlflow
 
-    from semspec.models.probe_card import load_card_probe
+    from semspec.models.project.probe_card import load_card_probe
     from semspec.tasks.probe_export import export_probes
     from semspec.tasks.probe_registry import load_probe
 
@@ -250,8 +250,8 @@ def test_import_refuses_a_card_for_other_models_before_registering(tmp_path, reg
 
 
 def test_decoders_from_a_folder(tmp_path, registry, monkeypatch):
-    from semspec.models.decoding import DecodeSettings
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
+    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks.decoders import build_decoder, check_probes
     from semspec.tasks.probe_export import export_probes
     from tests.helpers.tiny import tiny_lm
@@ -272,7 +272,7 @@ def test_decoders_from_a_folder(tmp_path, registry, monkeypatch):
     assert dec.settings.min_ratio == FLOORS["all"]
     assert dec.probe_ids == {r: registry[r, "all"].sha256 for r in ROLES}
     card = read_card(out)
-    from semspec.models.probe_card import load_card_probe
+    from semspec.models.project.probe_card import load_card_probe
 
     for role, fn in (("draft", dec.q_probe), ("target", dec.p_probe)):
         probe, _ = load_card_probe(out, card, role, "all", MODEL_IDS[role], HIDDEN[role])

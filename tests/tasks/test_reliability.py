@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from semspec.models.decoding import SingleModelDecoder
+from semspec.models.spec.batching import SingleModelDecoder
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.evaluate import run_evaluate
 from tests.helpers.pipeline import write_tiny_pair
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.reliability
 EVALUATE_SCRIPT = """
 import sys
 from pathlib import Path
-from semspec.models.project import load_pair
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.evaluate import run_evaluate
 tmp = Path(sys.argv[1])
@@ -82,7 +82,7 @@ def test_a_retrain_fails_in_seconds_when_mlflow_is_unreachable(tmp_path, monkeyp
 def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, monkeypatch, observed):
     import importlib
 
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
     from semspec.tasks.config import load_params
     from tests.helpers.project import free_port
 
@@ -106,7 +106,7 @@ def test_a_stage_fails_in_seconds_when_mlflow_is_unreachable(name, tmp_path, mon
 
 def _ray_sample_command(tmp_path) -> tuple[list[str], dict[str, str]]:
     """`semspec sample` on the Ray executor over 8 tiny-pair prefixes (long enough to stop mid-stage)."""
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
     from semspec.tasks.config import load_params
     from semspec.tasks.ingest import run_ingest
 
@@ -233,8 +233,8 @@ CLUSTER_SCRIPT = """
 import sys, time
 from pathlib import Path
 import torch
-from semspec.models.judges import EmbeddingJudge
-from semspec.models.project import load_pair
+from semspec.models.spec.judges import EmbeddingJudge
+from semspec.models.project.pairs import load_pair
 from semspec.tasks.cluster import run_cluster
 from semspec.tasks.config import ClusterConfig
 tmp = Path(sys.argv[1])
@@ -281,8 +281,8 @@ def test_cluster_resumes_after_a_kill_and_labels_only_the_rest(tmp_path, observe
     import pyarrow.parquet as pq
     import torch
 
-    from semspec.models.judges import EmbeddingJudge
-    from semspec.models.project import load_pair
+    from semspec.models.project.pairs import load_pair
+    from semspec.models.spec.judges import EmbeddingJudge
     from semspec.tasks.cluster import labelled_prefixes, run_cluster
     from semspec.tasks.config import ClusterConfig
 

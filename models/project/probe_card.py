@@ -29,10 +29,10 @@ from typing import Any
 from torch import nn
 
 from semspec.models.cpu.formats import resolve_format
-from semspec.models.names import ROLES, split_probe_key
-from semspec.models.pair import PairConfig
-from semspec.models.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
-from semspec.models.settings import settings
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.settings import settings
+from semspec.models.spec.names import ROLES, split_probe_key
+from semspec.models.spec.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 from packaging.requirements import InvalidRequirement, Requirement
 
-from semspec.models.settings import settings
+from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from semspec.models.names import FEATURE_COLUMNS
+from semspec.models.spec.names import FEATURE_COLUMNS
 
 FEATURES = tuple(FEATURE_COLUMNS)  # the variants a trained probe can read
 SIGMA_FLOOR = 1e-6  # a standard deviation below this counts as constant

@@ -1,6 +1,6 @@
 """The model-pair schema: what to load for the draft, the target and the judge.
 
-A pair lives in ``conf/pairs/<name>.yaml`` (found by ``semspec.models.project``) and is parsed once, at
+A pair lives in ``conf/pairs/<name>.yaml`` (found by ``semspec.models.project.pairs``) and is parsed once, at
 the entry point, into these dataclasses. Every field is validated in ``__post_init__`` so a bad spec fails with a message
 naming the field instead of crashing later inside transformers.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from semspec.models.cpu.formats import FORMATS, QUANTIZED
-from semspec.models.names import ROLES
+from semspec.models.spec.names import ROLES
 
 SOURCES = ("hub", "local", "package")
 MODEL_SOURCES = (*SOURCES, "parts")  # parts: one GGUF file split over several PyPI packages
@@ -60,7 +60,7 @@ class ModelSpec:
     max_step_tokens: int = 64  # budget for one reasoning step
     trust_remote_code: bool = False  # never on unless a spec says so explicitly
     where: str = field(default="model", repr=False, compare=False)
-    # what a step is (models/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
+    # what a step is (models/spec/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
     split: str = field(default="paragraph", init=False)
     # which positions a step's hidden states are pooled over (models/lm.py): the pair's `pooling`, set by
     # PairConfig, never per model: both probes and both models of a pair pool alike

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from semspec.models.pair import PairConfig
-from semspec.models.settings import settings
-from semspec.models.steps import check_strategy
+from semspec.models.lm.pair import PairConfig
+from semspec.models.project.settings import settings
+from semspec.models.spec.steps import check_strategy
 
 log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -37,7 +37,7 @@ def load_pair(
     name_or_path: str | Path, directory: Path | None = None, split_strategy: str = "paragraph"
 ) -> PairConfig:
     """Load a pair by name (``conf/pairs/<name>.yaml``) or from an explicit YAML path; both models end
-    their steps by ``split_strategy`` (params.yaml's, see ``models/steps.py``)."""
+    their steps by ``split_strategy`` (params.yaml's, see ``models/spec/steps.py``)."""
     check_strategy(split_strategy)
     p = Path(name_or_path)
     if p.suffix not in (".yaml", ".yml"):

@@ -30,8 +30,8 @@ import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from semspec.models.lm import pick_device
-from semspec.models.pair import JudgeSpec
-from semspec.models.weights import resolve_path, verify_sha256
+from semspec.models.lm.pair import JudgeSpec
+from semspec.models.lm.weights import resolve_path, verify_sha256
 
 
 def normalize_step(text: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"  # every service binds to loopback only
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -1,7 +1,8 @@
-"""The project's vocabulary: every name that more than one module spells is defined here, once.
+"""The algorithm's vocabulary: every name of a method, a model role or a probe that more than one module
+spells is defined here, once (the pipeline's names are in ``semspec.models.project.names``).
 
-Method names, probe variants, pipeline stages, the ``semanticspec-<variant>`` label that evaluation and
-the bench print, and the MLflow names of a pair's experiment, its registered probes and their alias.
+Method names, probe variants and keys, and the ``semanticspec-<variant>`` label that evaluation and the
+bench print.
 
 A probe is named by its variant, and by a data domain when it was trained on one domain only (the paper's
 5.4 cross-domain study): the key ``<variant>@<domain>`` (e.g. ``all@math``), registered as
@@ -20,15 +21,12 @@ SEMANTICSPEC_RULES = ("min_ratio", "min_p", "max_rejections", "min_token_p")
 STEP_METHODS = ("semanticspec", "specreason")  # the methods that verify whole draft steps (step acceptance)
 PROBE_VARIANTS = ("random", "last", "all", "mix")  # random: the paper's baseline probe
 ROLES = ("draft", "target")
-# the pooled hidden states each trained probe variant reads: a field of models/lm.py's ``Pooled`` and the
+# the pooled hidden states each trained probe variant reads: a field of ``semspec.models.lm.Pooled`` and the
 # sample stage's Parquet column of that name (``random`` reads nothing)
 FEATURE_COLUMNS = {"last": "h_last", "all": "h_mean", "mix": "h_layers"}
-STAGES = ("ingest", "sample", "cross", "cluster", "train", "evaluate")  # dvc.yaml's stages, in order
-SMOKE_STAGE = "decode"  # the flow's last step: decode one question with the registered probes
-CHAMPION = "champion"  # registry alias of the probe version that decoding loads
 # min_ratio and min_p (evaluate and DecodeSettings): the floor the probe pair's train run chose on validation
 FLOOR_AUTO = "auto"
-GAMMA_AUTO = "auto"  # gamma chosen from the probes' acceptance (models/decoding.py gamma_for)
+GAMMA_AUTO = "auto"  # gamma chosen from the probes' acceptance (``semspec.models.spec.settings.gamma_for``)
 ALL_DOMAINS = "all"  # the probes trained on every domain's data (keys and names without a domain)
 _DOMAIN_RE = re.compile(r"[A-Za-z0-9_.]+")
 
@@ -74,15 +72,3 @@ def parse_label(label: str) -> tuple[str, str | None]:
     method, _, variant = label.partition("-")
     method_label(method, variant or None)  # raises on anything method_label would not make
     return method, variant or None
-
-
-def experiment_name(pair: str) -> str:
-    """One MLflow experiment per model pair."""
-    return f"semspec-{pair}"
-
-
-def registered_name(pair: str, role: str, variant: str) -> str:
-    """Registry name of a probe: ``semspec-<pair>-<role>-<variant>``, ``-<domain>`` appended for a probe
-    key ``<variant>@<domain>``."""
-    v, domain = split_probe_key(variant)
-    return f"semspec-{pair}-{role}-{v}" + (f"-{domain}" if domain else "")

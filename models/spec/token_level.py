@@ -9,15 +9,9 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from semspec.models.decoding import (
-    DecodeResult,
-    DecodeSettings,
-    MethodNotApplicable,
-    StepCallback,
-    StepRecord,
-    finish_result,
-)
 from semspec.models.lm import LM
+from semspec.models.spec.results import DecodeResult, StepCallback, StepRecord, finish_result
+from semspec.models.spec.settings import DecodeSettings, MethodNotApplicable
 
 
 class TokenSpecDecoder:

@@ -1,0 +1,176 @@
+"""What the two-model step-level methods share: the draft proposes steps in one batched decode loop, the
+target rewrites the rejected ones together, and the draft rolls back and re-reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from semspec.models.lm import (
+    LM,
+    LMState,
+    StepSample,
+    StepStart,
+)
+from semspec.models.spec.batching import (
+    BatchDecoder,
+    Row,
+    timings_of,
+)
+from semspec.models.spec.results import (
+    Clock,
+    StepRecord,
+)
+
+
+@dataclass
+class Rewrite:
+    """A rejected proposal of one row, for the target to rewrite: where the target starts (its state
+    before the proposal, or the salvaged prefix), how the draft rolls back and what it re-reads."""
+
+    row: Row
+    start: StepStart
+    d_restore: Callable[[], LMState] | None  # None: the draft reads no more of this answer (handed over)
+    replay: list[str]  # the round's accepted steps, for the draft to re-read
+    proposal: str | None  # None: the target writes the step with nothing proposed (handed over)
+    why: dict[str, float | int | None]
+    salvaged: int = 0  # kept tokens of the proposal (salvage)
+
+
+class DraftTarget(BatchDecoder):
+    """What the two-model step-level decoders share: the draft proposes, the target rewrites rejections."""
+
+    roles = ("draft", "target")
+    draft: LM
+    target: LM
+
+    def lm(self, role: str) -> LM:
+        """The draft or the target."""
+        return self.draft if role == "draft" else self.target
+
+    def _round(self, rows: list[Row]) -> list[Rewrite]:
+        """Propose and judge for ``rows``; returns the rejected steps to rewrite."""
+        raise NotImplementedError
+
+    def _advance(self, rows: list[Row]) -> None:
+        """One round (``_round``) for the rows without a queued rewrite. The target rewrites the rejected
+        rows together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could
+        go on without them: its decode forward costs about the same for one row as for several, and a row
+        that waits goes through the same steps (only later)."""
+        s = self.settings
+        active = [r for r in rows if r.queued is None]
+        for it in self._round(active) if active else []:
+            it.row.queued = it
+        waiting = [r for r in rows if r.queued is not None]
+        if not waiting:
+            return
+        going = [r for r in rows if r.queued is None and not r.finished(s)]
+        if not going or 2 * len(waiting) >= len(rows) or max(r.waited for r in waiting) >= s.rewrite_wait:
+            self._rewrite([r.queued for r in waiting])
+            for r in waiting:
+                r.queued, r.waited = None, 0
+        else:
+            for r in waiting:
+                r.waited += 1
+
+    def _propose(
+        self, rows: list[Row], gamma: int, lookahead: int = 0
+    ) -> dict[int, list[tuple[StepSample, int]]]:
+        """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step) in one batched decode
+        loop, plus up to ``lookahead`` more for rows done before the slowest: the steps the draft would
+        propose in the next rounds (``_valid`` checks their budgets once the steps before are judged);
+        advances the draft's caches. Proposal ``j`` samples with ``row.next_seed() + j``. Returns row index ->
+        its proposals, each with the token budget it was written under."""
+        s = self.settings
+        budgets = {b: [r.step_budget(s, self.draft)] for b, r in enumerate(rows)}
+
+        def more(b: int, done: list[StepSample]) -> int | None:
+            # what the round's earlier proposals use counts against the output budget too
+            used = rows[b].used(done)
+            if used >= rows[b].budget or len(done) >= gamma + lookahead:
+                return None
+            budgets[b].append(rows[b].step_budget(s, self.draft, used))
+            return budgets[b][-1]
+
+        starts = [StepStart(r.draft, budgets[b][0], r.next_seed()) for b, r in enumerate(rows)]
+        with Clock(timings_of(rows), "draft"):
+            outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
+        proposals = {}
+        for b, (row, (steps, state)) in enumerate(zip(rows, outs, strict=True)):
+            row.draft = state
+            proposals[row.index] = list(zip(steps, budgets[b], strict=False))
+        return proposals
+
+    def _valid(self, row: Row, step: StepSample, budget: int, used: int) -> bool:
+        """Whether a proposal is the step the draft writes at this point when it proposes round by round:
+        ``used`` output tokens before it (the target's count, as a round would start from); with
+        lookahead the draft counted its own tokens, and a different budget matters only when the step
+        ran into one of the two."""
+        if used >= row.budget:
+            return False
+        needed = row.step_budget(self.settings, self.draft, used)
+        return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
+
+    def _accept(
+        self, row: Row, step: StepSample, target_state: LMState, k: int, **why: float | int | None
+    ) -> None:
+        """Keep an accepted draft step: ``target_state`` is the target's state with the step read (``k``
+        target tokens), ``why`` what decided it."""
+        row.target = target_state
+        row.res.add(StepRecord("draft", step.text, step.num_tokens, k, **why))
+        row.res.output_tokens += k
+        if step.finish_reason == "eos":
+            row.res.finish_reason = "eos"
+
+    def _rewrite(self, items: list[Rewrite]) -> None:
+        """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
+        rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
+        round's accepted steps and reads the target's step (batched too). A row handed over to the target
+        (no proposal, no checkpoint) only gets the target's step: its draft reads no more."""
+        if not items:
+            return
+        s, rows = self.settings, [it.row for it in items]
+        with Clock(timings_of(rows), "target"):
+            written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
+        synced = [b for b, it in enumerate(items) if it.d_restore is not None]  # the others: handed over
+        draft_tokens = [0] * len(items)
+        with Clock(timings_of([rows[b] for b in synced]), "draft"):
+            dstates = self._draft_back([(items[b].d_restore, items[b].replay) for b in synced])
+            before = [len(d.ids) for d in dstates]
+            self._draft_reads(dstates, [written[b][0].text for b in synced])
+        for b, dstate, n in zip(synced, dstates, before, strict=True):
+            rows[b].draft, draft_tokens[b] = dstate, len(dstate.ids) - n
+        for it, (step, tstate), k in zip(items, written, draft_tokens, strict=True):
+            row = it.row
+            row.target = tstate
+            salvaged = min(it.salvaged, step.num_tokens)
+            record = StepRecord(
+                "target",
+                step.text,
+                k,
+                step.num_tokens,
+                proposal=it.proposal,
+                salvaged=salvaged,
+                **it.why,
+            )
+            row.res.add(record)
+            row.res.output_tokens += step.num_tokens
+            if step.finish_reason == "eos" or not step.text:
+                row.res.finish_reason = "eos"
+
+    def _draft_back(self, items: list[tuple[Callable[[], LMState], list[str]]]) -> list[LMState]:
+        """Each draft rolled back to its round's checkpoint and re-reading the round's accepted steps,
+        the rows batched."""
+        dstates = [restore() for restore, _ in items]
+        for j in range(max((len(replay) for _, replay in items), default=0)):
+            self._draft_reads(dstates, [replay[j] if j < len(replay) else "" for _, replay in items])
+        return dstates
+
+    def _draft_reads(self, dstates: list[LMState], texts: list[str]) -> None:
+        """Extend each draft state by its text (rows with no text are left alone), in one prefill."""
+        idx = [i for i, text in enumerate(texts) if text]
+        if idx:
+            for i, ext in zip(
+                idx, self.draft.extend_many([dstates[i] for i in idx], [texts[i] for i in idx]), strict=True
+            ):
+                dstates[i] = ext[0]

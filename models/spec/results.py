@@ -1,0 +1,146 @@
+"""What every decoder returns: the steps (who wrote each, tokens per model, p, q, the acceptance draw)
+and the timings, and the ``Decoder`` protocol."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from semspec.models.spec.grading import extract_answer
+from semspec.models.spec.settings import (
+    DecodeSettings,
+)
+
+StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
+
+
+@dataclass
+class StepRecord:
+    """One step of the output."""
+
+    author: str  # draft | target
+    text: str
+    draft_tokens: int  # tokens of the step in the draft's tokenizer (0 if the draft never saw it)
+    target_tokens: int  # tokens of the step in the target's tokenizer (0 if the target never saw it)
+    p: float | None = None  # target probe
+    q: float | None = None  # draft probe
+    u: float | None = None  # the acceptance draw
+    tok: float | None = None  # the least probability the target gave a token of the step (min_token_p)
+    score: int | None = None  # specreason's 0-9 score
+    proposal: str | None = None  # a rejected draft step (what the target rewrote)
+    salvaged: int = 0  # target tokens of the rejected proposal that the rewrite kept (salvage)
+
+
+@dataclass
+class Timings:
+    """Wall time split by activity (seconds)."""
+
+    draft: float = 0.0  # draft generation and draft cache upkeep
+    verify: float = 0.0  # target prefill of draft steps
+    target: float = 0.0  # target generation
+    probe: float = 0.0  # probe forward passes
+    total: float = 0.0  # latency: from the problem's start (joining its batch) to its last step
+    share: float = 0.0  # machine time: each batched call's time divided among its rows (batch 1: total)
+
+
+@dataclass
+class DecodeResult:
+    """What every decoder returns."""
+
+    method: str
+    text: str
+    answer: str | None
+    steps: list[StepRecord] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    output_tokens: int = 0  # in the target's tokenizer when a target is involved
+    target_prefill_tokens: int = 0  # tokens the target prefilled after the prompt (verification)
+    finish_reason: str = "length"  # eos | length
+    extra: dict = field(default_factory=dict)  # method-specific figures (e.g. token-level acceptance)
+    on_step: StepCallback | None = field(default=None, repr=False, compare=False)
+
+    def add(self, step: StepRecord) -> None:
+        """Append a step and stream it to ``on_step``."""
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+
+    @property
+    def target_tokens(self) -> int:
+        """Output tokens written by the target."""
+        return sum(s.target_tokens for s in self.steps if s.author == "target")
+
+    @property
+    def target_share(self) -> float:
+        """Share of output tokens written by the target (the paper's Ratio)."""
+        return self.target_tokens / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def rejections(self) -> int:
+        """Draft steps rejected so far (each rewritten by the target)."""
+        return sum(s.author == "target" and s.proposal is not None for s in self.steps)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft steps / proposed draft steps (None when nothing was proposed)."""
+        proposed = [s for s in self.steps if s.author == "draft" or s.proposal is not None]
+        return sum(s.author == "draft" for s in proposed) / len(proposed) if proposed else None
+
+    @property
+    def prefill_per_output_token(self) -> float:
+        """Target prefill tokens (after the prompt) per output token."""
+        return self.target_prefill_tokens / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per wall-clock second."""
+        return self.output_tokens / self.timings.total if self.timings.total else 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable trace."""
+        d = asdict(self)
+        d.pop("on_step", None)
+        d.update(
+            target_share=self.target_share,
+            acceptance_rate=self.acceptance_rate,
+            prefill_per_output_token=self.prefill_per_output_token,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return d
+
+
+class Decoder(Protocol):
+    """What every decoder is: a method name and ``decode(question, on_step) -> DecodeResult``."""
+
+    method: str
+
+    def decode(self, question: str, on_step: StepCallback | None = None) -> DecodeResult:
+        """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
+        ...
+
+
+class Clock:
+    """Adds the elapsed time of a ``with`` block to one field of every given Timings (each row of a
+    batch waited for the whole batched call)."""
+
+    def __init__(self, timings: Timings | list[Timings], name: str) -> None:
+        self.timings = timings if isinstance(timings, list) else [timings]
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        dt = time.perf_counter() - self.t0
+        for tm in self.timings:
+            setattr(tm, self.name, getattr(tm, self.name) + dt)
+
+
+def finish_result(method: str, res: DecodeResult, t0: float, settings: DecodeSettings) -> DecodeResult:
+    """Complete ``res``: the method, the full text, the extracted answer and the total time since ``t0``."""
+    res.method = method
+    res.text = "".join(s.text for s in res.steps)
+    res.answer = extract_answer(res.text, settings.benchmark)
+    res.timings.total = time.perf_counter() - t0
+    return res

@@ -1,0 +1,96 @@
+"""SpecReason (github.com/ruipeterpan/specreason): the target scores each draft step 0-9 in a verification
+turn; steps scored below the threshold are rewritten."""
+
+from __future__ import annotations
+
+import torch
+
+from semspec.models.lm import (
+    LM,
+    LMState,
+    StepStart,
+    crop_to,
+)
+from semspec.models.spec.batching import (
+    Row,
+    timings_of,
+)
+from semspec.models.spec.draft_target import DraftTarget, Rewrite
+from semspec.models.spec.results import (
+    Clock,
+)
+from semspec.models.spec.settings import (
+    DecodeSettings,
+)
+
+# SpecReason's verification (github.com/ruipeterpan/specreason, spec_reason.py): after the steps, a user
+# turn asks for a 0-9 score of the last step and the assistant's reply starts with the lead below; the
+# score is the target's greedy next token, 0 when that token is not a digit; steps scored >= 7 are kept.
+VERIFY_INSTRUCTION = (
+    "Evaluate the last reasoning step solely based on factual correctness and logical validity. Ignore "
+    "style, phrasing, or overall usefulness—only judge whether the step is objectively correct and "
+    "logically follows from prior steps. Assign a score from 0 to 9."
+)
+VERIFY_LEAD = "I think the quality score is: "
+
+
+class SpecReasonDecoder(DraftTarget):
+    """SpecReason: the target scores each draft step 0-9; steps scored below the threshold are rewritten."""
+
+    method = "specreason"
+
+    def __init__(
+        self,
+        draft: LM,
+        target: LM,
+        settings: DecodeSettings,
+        instruction: str = VERIFY_INSTRUCTION,
+        lead: str = VERIFY_LEAD,
+    ) -> None:
+        self.draft, self.target, self.settings = draft, target, settings
+        self.prompt = target.next_turn(instruction, lead)
+        ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
+        self.digits = {i[0]: d for d, i in enumerate(ids) if len(i) == 1}
+
+    def rate(self, states: list[LMState], step_texts: list[str]) -> list[tuple[int, LMState, int]]:
+        """Score each row's step 0-9 (the target's greedy token after the verification turn; 0 when it is
+        not a digit), all rows in one padded prefill of the steps and one of the verification turn.
+
+        Returns per row the score, the target state extended by the step (the turn is cropped away) and
+        the number of step tokens prefilled."""
+        stepped = self.target.extend_many(states, step_texts)
+        kept = [(st.text, list(st.ids), st.logits, st.hidden) for st, _, _, _ in stepped]
+        prompted = self.target.extend_many([st for st, _, _, _ in stepped], [self.prompt] * len(states))
+        out = []
+        for (st2, _, _, _), keep, (_, ids, _, _) in zip(prompted, kept, stepped, strict=True):
+            score = self.digits.get(int(torch.argmax(st2.logits)), 0)
+            crop_to(st2.cache, len(keep[1]))
+            out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
+        return out
+
+    def _round(self, rows: list[Row]) -> list[Rewrite]:
+        """One round: the draft writes a step per row, the target rates them (batched); returns the steps
+        below the threshold, for the target to rewrite."""
+        s = self.settings
+        d_restores = {r.index: r.draft.checkpoint(r.step_budget(s, self.draft) + 8) for r in rows}
+        proposals = self._propose(rows, 1)
+        steps = [proposals[r.index][0][0] for r in rows]
+        t_restores = [r.target.checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
+        idx = [b for b, step in enumerate(steps) if step.text]
+        rated: dict[int, tuple[int, LMState, int]] = {}
+        if idx:
+            scored = [rows[b] for b in idx]
+            with Clock(timings_of(scored), "verify"):
+                out = self.rate([r.target for r in scored], [steps[b].text for b in idx])
+            rated = dict(zip(idx, out, strict=True))
+        rewrites = []
+        for b, (row, step) in enumerate(zip(rows, steps, strict=True)):
+            score, new_t, k = rated.get(b, (0, None, 0))
+            row.res.target_prefill_tokens += k
+            if new_t is not None and score >= s.accept_threshold:
+                self._accept(row, step, new_t, k, score=score)
+                continue
+            budget = row.step_budget(s, self.target)
+            start = StepStart(t_restores[b](), budget, row.next_seed() + 1)  # the seed after the proposal's
+            rewrites.append(Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
+        return rewrites
