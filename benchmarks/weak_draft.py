@@ -9,12 +9,12 @@ cross, cluster: each resumes after a crash), trains the probes with ``train.exam
 25%, 50% and 100% of the training questions (the learning curve of the routing metrics; only the 100% runs
 register), then evaluates each probe set (``semspec evaluate``, resumable per problem) into
 ``eval/<pair>-<profile>/<examples>/`` (``target`` and ``draft`` read no probe: their rows are decoded once
-and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.min_ratio=auto``
+and shared); ``--floor`` also evaluates the last set's ``all`` variant with ``evaluate.decode.min_ratio=auto``
 (the floor on p/q its train run chose on validation) into ``<examples>+floor/``, and ``--min-p`` with
-``evaluate.min_p=auto`` (the target's rule, accept iff p >= the floor on p chosen likewise) into
+``evaluate.decode.min_p=auto`` (the target's rule, accept iff p >= the floor on p chosen likewise) into
 ``<examples>+p/``; ``--handover N`` evaluates its ``all`` and ``random`` variants with
-``evaluate.max_rejections=N`` (after N rejected steps in an answer the target writes the rest) into
-``<examples>+hN/``; ``--token-p P`` evaluates them with ``evaluate.min_token_p=P`` (the target's token
+``evaluate.decode.max_rejections=N`` (after N rejected steps in an answer the target writes the rest) into
+``<examples>+hN/``; ``--token-p P`` evaluates them with ``evaluate.decode.min_token_p=P`` (the target's token
 check: a step the probes accept is rejected when the target gives one of its tokens a probability below
 P) into ``<examples>+tP/``, and with ``--handover N`` under both into ``<examples>+tP+hN/``. A step already done
 is skipped when run again; ``--eval-only`` goes straight to the evaluations (they need the registered
@@ -64,20 +64,20 @@ def main() -> None:
     ap.add_argument(
         "--floor",
         action="store_true",
-        help="also evaluate the last probe set's all variant with evaluate.min_ratio=auto (the floor on "
+        help="also evaluate the last probe set's all variant with evaluate.decode.min_ratio=auto (the floor on "
         "p/q its train run chose on validation), as the probe set '<examples>+floor'",
     )
     ap.add_argument(
         "--min-p",
         action="store_true",
-        help="also evaluate the last probe set's all variant with evaluate.min_p=auto (the target's rule: "
+        help="also evaluate the last probe set's all variant with evaluate.decode.min_p=auto (the target's rule: "
         "accept iff p >= the floor its train run chose on validation), as the probe set '<examples>+p'",
     )
     ap.add_argument(
         "--handover",
         type=int,
         metavar="N",
-        help="also evaluate the last probe set's all and random variants with evaluate.max_rejections=N "
+        help="also evaluate the last probe set's all and random variants with evaluate.decode.max_rejections=N "
         "(after N rejected steps in an answer the target writes the rest), as the probe set '<examples>+hN'",
     )
     ap.add_argument(
@@ -91,7 +91,7 @@ def main() -> None:
         "--token-p",
         type=float,
         metavar="P",
-        help="also evaluate the last probe set's all and random variants with evaluate.min_token_p=P (the "
+        help="also evaluate the last probe set's all and random variants with evaluate.decode.min_token_p=P (the "
         "target's token check), as '<examples>+tP', and with --handover also under both, as '+tP+hN'",
     )
     a = ap.parse_args()
@@ -152,9 +152,9 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
 
 
 FLOOR, MIN_P = "+floor", "+p"  # suffixes of a probe set evaluated under a floor chosen on validation
-RULES = {FLOOR: "evaluate.min_ratio=auto", MIN_P: "evaluate.min_p=auto"}  # suffix -> its setting
-HANDOVER = "+h"  # +hN: under evaluate.max_rejections=N, with Random beside all (does the probe matter?)
-TOKENS = "+t"  # +tP: under evaluate.min_token_p=P (the target's token check), with Random beside all
+RULES = {FLOOR: "evaluate.decode.min_ratio=auto", MIN_P: "evaluate.decode.min_p=auto"}  # suffix -> its setting
+HANDOVER = "+h"  # +hN: under evaluate.decode.max_rejections=N, with Random beside all (does the probe matter?)
+TOKENS = "+t"  # +tP: under evaluate.decode.min_token_p=P (the target's token check), with Random beside all
 
 
 def rule_settings(rule: str) -> list[str]:
@@ -164,9 +164,9 @@ def rule_settings(rule: str) -> list[str]:
     for part in (f"+{x}" for x in rule.split("+")[1:]):
         value = part[len(HANDOVER) :]
         if part.startswith(HANDOVER) and value.isdigit():
-            sets.append(f"evaluate.max_rejections={value}")
+            sets.append(f"evaluate.decode.max_rejections={value}")
         elif part.startswith(TOKENS) and _is_probability(value):
-            sets.append(f"evaluate.min_token_p={value}")
+            sets.append(f"evaluate.decode.min_token_p={value}")
         else:
             sets.append(RULES[part])
             continue

@@ -84,6 +84,11 @@ def _show_step(step) -> None:
     typer.echo(f"{tag}{extra} {step.text.rstrip()}")
 
 
+MaxNewTokensOpt = Annotated[
+    int | None, typer.Option(help="Output token budget (default: params' evaluate.decode.max_new_tokens).")
+]
+
+
 @app.command()
 def decode(
     question: Annotated[str, typer.Argument(help="The question to answer.")],
@@ -98,10 +103,15 @@ def decode(
             "domain's probes (train.domains), e.g. all@math."
         ),
     ] = "all",
-    max_new_tokens: Annotated[int, typer.Option(help="Output token budget.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    gamma: Annotated[int, typer.Option(help="Draft steps per verification.")] = 1,
-    seed: Annotated[int, typer.Option()] = 0,
+    max_new_tokens: MaxNewTokensOpt = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="0 = greedy (default: params' evaluate.decode.temperature).")
+    ] = None,
+    gamma: Annotated[
+        int | None,
+        typer.Option(help="Draft steps per verification (default: params' evaluate.decode.gamma)."),
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="The seed of the answer's draws (default: 0).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the full trace as JSON.")] = False,
 ) -> None:
     """Answer a question, streaming each step as it is accepted (draft) or written by the target."""
@@ -138,12 +148,18 @@ def decode(
 def bench(
     pair: PairOpt = None,
     n: Annotated[int, typer.Option(help="Questions (arithmetic test split).")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="Output budget per question.")] = 96,
+    max_new_tokens: MaxNewTokensOpt = None,
     assisted: Annotated[bool, typer.Option(help="Include transformers' assisted generation.")] = True,
     probe: Annotated[
         list[str] | None, typer.Option(help="Probe variants for SemanticSpec (repeat; default: all four).")
     ] = None,
-    salvage: Annotated[bool, typer.Option(help="SemanticSpec salvages rejected steps (greedy).")] = True,
+    salvage: Annotated[
+        bool | None,
+        typer.Option(
+            "--salvage/--no-salvage",
+            help="SemanticSpec salvages rejected steps, greedy (default: params' evaluate.decode.salvage).",
+        ),
+    ] = None,
     both_salvage: Annotated[
         bool, typer.Option("--both-salvage", help="Also run each SemanticSpec variant the other way.")
     ] = False,
@@ -156,19 +172,21 @@ def bench(
     ] = None,
     lookahead: Annotated[
         int | None,
-        typer.Option(help="Steps a row may write ahead in a batch (default: params' evaluate.lookahead)."),
+        typer.Option(
+            help="Steps a row may write ahead in a batch (default: params' evaluate.decode.lookahead)."
+        ),
     ] = None,
     gamma: Annotated[
         list[int] | None,
         typer.Option(
-            help="SemanticSpec's steps per verification (default: params' evaluate.gamma); repeat to run "
+            help="SemanticSpec's steps per verification (default: params' evaluate.decode.gamma); repeat to run "
             "each variant with each value in the same run (the first unlabelled, the others <label>/gamma<g>)."
         ),
     ] = None,
     min_token_p: Annotated[
         float | None,
         typer.Option(
-            help="SemanticSpec's token check (default: params' evaluate.min_token_p): a step the probes "
+            help="SemanticSpec's token check (default: params' evaluate.decode.min_token_p): a step the probes "
             "accept is rejected when the target gives one of its tokens a lower probability."
         ),
     ] = None,
@@ -195,14 +213,11 @@ def bench(
     from semspec.tasks import bench as bench_task
     from semspec.tasks.config import load_params
 
-    if lookahead is not None and lookahead < 0:
-        raise typer.BadParameter(f"must be >= 0, got {lookahead}", param_hint="--lookahead")
     params = or_exit(load_params)
     variants = tuple(probe or (["all"] if batch else PROBE_VARIANTS))
-    options = {"max_new_tokens": max_new_tokens, "salvage": salvage}
-    options |= {} if lookahead is None else {"lookahead": lookahead}
-    options |= {"gamma": gamma[0]} if gamma else {}
-    options |= {} if min_token_p is None else {"min_token_p": min_token_p}
+    first = gamma[0] if gamma else None
+    options = dict(max_new_tokens=max_new_tokens, salvage=salvage, lookahead=lookahead, gamma=first)
+    options |= {"min_token_p": min_token_p}  # None: the params' value (tasks.decoders.decode_settings)
     also = tuple(dict.fromkeys(gamma[1:])) if gamma else ()
     if also and batch:
         raise typer.BadParameter("one gamma with --batch", param_hint="--gamma")

@@ -2,7 +2,7 @@
 
 Loading reads the pair file and checks the probes (the local registry's champions, or an exported folder
 or Hub repo) *before* any model loads, then loads both models once; every later call reuses them.
-Settings are keyword arguments whose defaults are ``params.yaml``'s ``evaluate`` section, so an answer
+Settings are keyword arguments whose defaults are ``params.yaml``'s ``evaluate.decode`` section, so an answer
 here is decoded as the evaluation decodes it.
 """
 
@@ -25,23 +25,8 @@ from semspec.models.spec.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 
-# the settings a call may pass: DecodeSettings' fields that make sense per call
-SETTINGS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "gamma",
-    "min_ratio",
-    "min_p",
-    "max_rejections",
-    "min_token_p",
-    "step_tokens",
-    "salvage",
-    "seed",
-    "benchmark",
-    "lookahead",
-    "rewrite_wait",
-)
+# the settings a call may pass: every DecodeSettings field (its defaults are params.yaml's evaluate.decode)
+SETTINGS = tuple(f.name for f in fields(DecodeSettings))
 
 
 @dataclass(frozen=True)
@@ -256,7 +241,7 @@ def load(
     if probe is not None:
         split_probe_key(probe)  # a known variant, or variant@domain
         if probes is not None:
-            from semspec.models.project.probe_card import resolve_probes
+            from semspec.models.project.probe_folder import resolve_probes
 
             probes_dir = resolve_probes(probes)
         check_probes(pair_cfg, probe, probes_dir)

@@ -19,8 +19,6 @@ from semspec.models.project.names import SMOKE_STAGE, STAGES
 from semspec.models.project.pairs import project_root
 from semspec.models.spec.names import (
     ALL_DOMAINS,
-    FLOOR_AUTO,
-    GAMMA_AUTO,
     METHODS,
     PROBE_METHOD,
     PROBE_VARIANTS,
@@ -29,6 +27,7 @@ from semspec.models.spec.names import (
     method_label,
     probe_key,
 )
+from semspec.models.spec.settings import DecodeSettings
 from semspec.models.spec.steps import check_strategy
 
 EXECUTORS = ("ray", "local")
@@ -282,30 +281,11 @@ class EvaluateConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     probe_variants: list[str] = field(default_factory=lambda: list(PROBE_VARIANTS))  # for semanticspec
     seeds: list[int] = field(default_factory=lambda: [0])
-    max_new_tokens: int = 96
-    temperature: float = 0.0
-    top_p: float = 0.95  # nucleus cut when sampling (temperature > 0), as the probes' samples were drawn
-    # semanticspec: steps the draft writes per round: a count, or auto (the longest round the probes'
-    # acceptance on the held-out steps keeps whole at least half the time, up to 4; 1 for Random)
-    gamma: int | str = 1
-    # semanticspec also rejects a step whose p/q falls below this: null (the paper's rule), a number, or
-    # auto (the floor the train run chose on the validation questions for each learned variant's probes;
-    # none where it chose none; Random keeps the paper's rule)
-    min_ratio: float | str | None = None
-    # semanticspec accepts a step iff the target's p >= this, in place of the paper's draw on min(1, p/q)
-    # (the target's rule, for greedy decoding): null (the paper's rule), a number, or auto (as min_ratio)
-    min_p: float | str | None = None
-    # semanticspec: after this many rejected steps in an answer the target writes the rest (its own greedy
-    # steps, the draft's agreeing prefixes salvaged): null (off, the paper's rule throughout) or a count
-    max_rejections: int | None = None
-    # semanticspec: the target's token check beside the probes: a step they accept is rejected all the same
-    # when the target gives one of its tokens a probability below this: null (off) or a probability in (0, 1)
-    min_token_p: float | None = None
+    # the decoders' settings (semspec.models.spec.settings.DecodeSettings, parsed and checked there)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
     subset_seed: int = 0  # which problems of each benchmark are taken
     levels: list[int] | None = None  # keep only these difficulty levels where a benchmark has them (MATH-500)
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
-    lookahead: int = 4  # batches: steps a row may write ahead while others finish theirs (no output changes)
-    rewrite_wait: int = 0  # batches: rounds a rejected row may wait to share a rewrite (0: off)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
 
@@ -324,45 +304,9 @@ class EvaluateConfig:
             raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:
             raise ValueError("evaluate: field 'seeds' needs at least one seed")
-        _positive("evaluate", max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
-        if self.gamma != GAMMA_AUTO and (
-            not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1
-        ):
-            raise ValueError(f"evaluate: field 'gamma' must be a count >= 1 or 'auto', got {self.gamma!r}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("evaluate: fields 'temperature' >= 0 and 'top_p' in (0, 1] required")
-        for name in ("lookahead", "rewrite_wait"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"evaluate: field '{name}' must be a count >= 0, got {value!r}")
-        for name in ("min_ratio", "min_p"):
-            floor = getattr(self, name)
-            if (
-                floor is not None
-                and floor != FLOOR_AUTO
-                and (not isinstance(floor, int | float) or floor < 0)
-            ):
-                raise ValueError(
-                    f"evaluate: field '{name}' must be null, a number >= 0 or 'auto', got {floor!r}"
-                )
-        if self.min_ratio is not None and self.min_p is not None:
-            raise ValueError(
-                "evaluate: fields 'min_ratio' and 'min_p' are two acceptance rules: set one, not both"
-            )
-        if self.max_rejections is not None and (
-            not isinstance(self.max_rejections, int) or self.max_rejections < 0
-        ):
-            raise ValueError(
-                f"evaluate: field 'max_rejections' must be null or a count >= 0, got {self.max_rejections!r}"
-            )
-        if self.min_token_p is not None and (
-            isinstance(self.min_token_p, bool)
-            or not isinstance(self.min_token_p, int | float)
-            or not 0 < self.min_token_p < 1
-        ):
-            raise ValueError(
-                f"evaluate: field 'min_token_p' must be null or a probability in (0, 1), got {self.min_token_p!r}"
-            )
+        _positive("evaluate", batch_size=self.batch_size)
+        if not isinstance(self.decode, DecodeSettings):
+            self.decode = DecodeSettings.from_mapping(self.decode, "evaluate.decode")
         if self.actors is not None and (not isinstance(self.actors, int) or self.actors < 0):
             raise ValueError(f"evaluate: field 'actors' must be null or a count >= 0, got {self.actors!r}")
         if self.levels is not None and (
@@ -436,14 +380,20 @@ _SECTIONS = {
 }
 
 
+SUBSECTIONS = ("decode",)  # a section's keys that group settings: a profile overlays them key by key
+
+
 def _merge(base: dict, over: dict) -> dict:
-    """A profile over params.yaml: stage sections merge key by key, but a setting's value is replaced
-    whole, dicts included (a profile's ``benchmarks: {arith: 2}`` means only arith, not arith added to
-    the base's benchmarks)."""
+    """A profile over params.yaml: stage sections merge key by key (and ``evaluate.decode`` within), but a
+    setting's value is replaced whole, dicts included (a profile's ``benchmarks: {arith: 2}`` means only
+    arith, not arith added to the base's benchmarks)."""
     out = copy.deepcopy(base)
     for k, v in (over or {}).items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = {**out[k], **copy.deepcopy(v)}  # a section: its settings replace the base's
+            section = out[k]  # a section: its settings replace the base's, its subsections merge alike
+            for key, value in copy.deepcopy(v).items():
+                nested = key in SUBSECTIONS and isinstance(value, dict) and isinstance(section.get(key), dict)
+                section[key] = {**section[key], **value} if nested else value
         else:
             out[k] = copy.deepcopy(v)
     return out

@@ -13,7 +13,8 @@ import torch
 
 from semspec.models.lm import LM, Pooled
 from semspec.models.lm.pair import PairConfig
-from semspec.models.project.probe_card import ProbeCard, check_card, load_card_probe, read_card
+from semspec.models.project.probe_card import ProbeCard, check_card, load_card_probe
+from semspec.models.project.probe_folder import read_card
 from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.names import FLOOR_AUTO, GAMMA_AUTO, METHODS, ROLES, split_probe_key
 from semspec.models.spec.probe import probe_probabilities, probe_probability
@@ -28,23 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def decode_settings(cfg: EvaluateConfig, **overrides: Any) -> DecodeSettings:
-    """The decoders' settings the evaluate params mean: the one mapping from configuration to
-    ``DecodeSettings`` (the evaluation, ``semspec decode``, ``semspec bench`` and the flow's smoke test all
-    build theirs here). ``overrides`` replace single fields: a command-line option, the seed, how answers
-    are read."""
-    base = {
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "gamma": cfg.gamma,
-        "min_ratio": cfg.min_ratio,
-        "min_p": cfg.min_p,
-        "max_rejections": cfg.max_rejections,
-        "min_token_p": cfg.min_token_p,
-        "lookahead": cfg.lookahead,
-        "rewrite_wait": cfg.rewrite_wait,
-    }
-    return DecodeSettings(**{**base, **overrides})
+    """The evaluation's decode settings (``params.yaml``'s ``evaluate.decode``) with ``overrides`` in place
+    of single fields (a command-line option, the seed, how answers are read; None: the params' value);
+    the evaluation, ``semspec decode``, ``semspec bench``, the API and the flow's smoke test all start
+    here, so none has defaults of its own."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return replace(cfg.decode, **given)
 
 
 class RegisteredProbe:
@@ -126,7 +116,7 @@ def build_decoder(
     versions ``pins`` names (``{"<role>-<variant>": version}``, as a train run recorded them), else the
     champions, and resolves ``min_ratio: auto`` and ``min_p: auto`` to the floors their train run chose
     on validation (none for Random, which keeps the paper's rule). With ``probes_dir`` (a local folder of
-    exported probes: ``semspec.models.project.probe_card.resolve_probes`` makes one of a Hub repo id) both probes
+    exported probes: ``semspec.models.project.probe_folder.resolve_probes`` makes one of a Hub repo id) both probes
     and the floors come from that folder and its card instead, and MLflow is not imported.
     ``MethodNotApplicable`` when the method cannot run on this pair (``specsampling`` across
     vocabularies)."""
@@ -176,7 +166,7 @@ def resolve_auto(
         if rate is None and not random:
             log.warning(
                 "semanticspec-%s: gamma auto -> 1: its probes carry no held-out acceptance (trained before "
-                "it was recorded): retrain them, or set evaluate.gamma to a count",
+                "it was recorded): retrain them, or set evaluate.decode.gamma to a count",
                 variant,
             )
         gamma = gamma_for(rate)

@@ -11,11 +11,32 @@ from typing import Any
 
 from semspec.models.lm.pair import PairConfig
 from semspec.models.spec.names import PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.fingerprint import pipeline_fingerprint
 from semspec.tasks.io import atomic_path, config_hash
 
 log = logging.getLogger(__name__)
+
+
+# the decode settings that were evaluate's own fields before the decode section grouped them: always in a
+# row's key; the others only where they differ from their default, so earlier rows keep their keys
+_KEYED = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "gamma",
+    "lookahead",
+    "rewrite_wait",
+    "min_ratio",
+    "min_p",
+)
+_KEYED += ("max_rejections", "min_token_p")
+
+
+def _decode_key(decode: DecodeSettings) -> dict[str, Any]:
+    default = DecodeSettings()
+    return {k: v for k, v in decode.configured().items() if k in _KEYED or v != getattr(default, k)}
 
 
 def run_key(
@@ -29,10 +50,10 @@ def run_key(
     probes' identity, not in the key of the other methods' rows; neither are the floors on p/q and on p,
     the rejection budget and the token check, which only SemanticSpec reads (so its rows with and without them share the
     same baseline rows)."""
-    skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain"}
+    skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain", "decode"}
     if parse_label(label)[0] != PROBE_METHOD:
         skip |= set(SEMANTICSPEC_RULES)
-    settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    settings = {k: v for k, v in {**asdict(cfg), **_decode_key(cfg.decode)}.items() if k not in skip}
     # a rule that is off is left out, as before it existed, so earlier rows keep their keys (min_ratio was
     # in the key from the start)
     for name in (r for r in SEMANTICSPEC_RULES if r != "min_ratio"):

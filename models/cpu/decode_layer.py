@@ -1,8 +1,8 @@
 """A decoder layer's decoding call in two C++ calls instead of ~100 small PyTorch ones.
 
 With the int8 kernel (``models/cpu/int8_kernel.py``) and the decode attention (``models/cpu/attention.py``) in
-place, a decode token still spends a large share of its time outside them: some 2,300 PyTorch calls per
-token, each a microsecond or two of dispatch, plus the Python of transformers' modules around them
+place, a decode token still spends a large share of its time outside them: thousands of small PyTorch
+calls per token, each paying dispatch, plus the Python of transformers' modules around them
 (RMSNorm's casts, rotary's ``cat``, seven quantized linears, the MLP's activation and product, two
 residual adds per layer). For a Llama-style
 decoder layer (Llama, Qwen2: RMSNorm, q/k/v/o projections with rotary positions, a SiLU-gated MLP), with

@@ -19,7 +19,7 @@ register tiles for those (``int4_kernel``), close to a dense bfloat16 GEMM, so i
 its int weights and keeps no dense copy, except with AMX, whose bfloat16 GEMM is several times faster:
 there calls above 6 rows run on a bfloat16 copy of the dequantized weights. The int8 kernel has no such
 tiles: its many-row calls run dense, on the same weights, through a bfloat16 copy (native bfloat16, kept
-in oneDNN's blocked layout by ``onednn_pack``: packed once at load, 1.2-2x faster for 4-48 rows than a
+in oneDNN's blocked layout by ``onednn_pack``: packed once at load, faster for many rows than a
 plain weight) or through float32 weights dequantized for that call (no native bfloat16: a float32 copy
 would cost 4x the int8 bytes). Where each path stops paying was measured per CPU kind on one linear layer
 of the 1.5B target (``docs/formats.md``): hence ``DENSE_ROWS``.
@@ -56,8 +56,8 @@ INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kerne
 # 384 where float32 wins by 2x, interpolated)
 # (int4 without native bfloat16 has no dense path: PyTorch's int4 packing has no cheap inverse, and a
 # float32 copy would cost 8x their memory)
-# (int4 with AVX512_BF16 has none either: the int4 kernel's tiles run many-row calls within ~1.2x of
-# a dense bfloat16 GEMM, for a quarter of its memory)
+# (int4 with AVX512_BF16 has none either: the int4 kernel's tiles run many-row calls close to a dense
+# bfloat16 GEMM, for a quarter of its memory)
 DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): 64, ("int4", False): None}
 # With AMX, oneDNN's bfloat16 GEMM of a dequantized copy runs on AMX's tiles, several times faster than
 # the int4 kernel for many rows: there int4 keeps the copy, for calls above 6 rows (measured on a
@@ -195,7 +195,7 @@ def quantize_int8(
     """(N, K) float weight -> (N, K) int8, (N,) float32 scales, symmetric per output channel
     (``w ≈ q * scale``), and with ``dense`` the int weights dequantized (``q * scale`` in float32, then
     cast to ``dense``), (N, K), else None. Done in row chunks, in one pass over the weight, so each chunk
-    stays in cache (loading the 1.5B took ~15 s in separate passes)."""
+    stays in cache."""
     n = weight.shape[0]
     q = torch.empty(weight.shape, dtype=torch.int8)
     scale = torch.empty(n, dtype=torch.float32)
@@ -219,8 +219,7 @@ def quantize_int4(
     per group of ``group`` input channels, the kernels' convention ``w ≈ (q - 8) * scale + zero`` (min-max
     asymmetric, so each group's range is used whole), and with ``dense`` the int weights dequantized with
     the scales and zeros rounded to ``dense`` (what the kernels read), cast to ``dense``, (N, K), else
-    None. Done in row chunks, in one pass over the weight, like ``quantize_int8`` (separate passes took
-    ~30 s on the 1.5B)."""
+    None. Done in row chunks, in one pass over the weight, like ``quantize_int8``."""
     n, k = weight.shape
     g = k // group
     q = torch.empty(n, k, dtype=torch.uint8)
@@ -399,8 +398,8 @@ class QuantLinear(nn.Module):
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (N, K), bfloat16 on the CPU, reordered once into oneDNN's blocked layout for
     ``torch.ops.mkldnn._linear_pointwise`` (the packed linear PyTorch's own compiled CPU graphs call).
-    ``nn.functional.linear`` reorders a plain weight on every call; packed once, a call of 4-48 rows runs
-    1.3-2x faster (``benchmarks/formats.py layer``). None where oneDNN cannot take it (no bfloat16 support,
+    ``nn.functional.linear`` reorders a plain weight on every call; packed once, many-row calls run faster
+    (``benchmarks/formats.py layer``; the figures per CPU kind are in ``docs/formats.md``). None where oneDNN cannot take it (no bfloat16 support,
     another dtype or device) or ``SEMSPEC_ONEDNN_PACK=0``: the caller keeps the plain weight."""
     if settings().onednn_pack == "0" or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None

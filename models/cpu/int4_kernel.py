@@ -13,7 +13,7 @@ up to float32 summation order. The source is ``csrc/int4.cpp``.
 
 Calls of up to 3 rows (decoding) stream each weight once, at the memory bandwidth. Calls of 4 rows or more
 (a prompt, a step's verification, a batch) run register tiles of 8 rows by 32 channels that reuse each
-dequantized weight across the rows: within ~1.2x of oneDNN's bfloat16 GEMM of a dense copy of the weights
+dequantized weight across the rows: close to oneDNN's bfloat16 GEMM of a dense copy of the weights
 on CPUs without AMX, so the int4 format keeps no such copy there (``formats.resolve_format``).
 
 Built and loaded by ``build.load``; where the CPU lacks AVX512_BF16, the build fails or

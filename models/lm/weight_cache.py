@@ -1,6 +1,6 @@
 """The weight cache: a model's quantized, packed weights kept on disk, memory-mapped at load.
 
-Quantizing and packing a model's linear layers costs seconds per load (the 1.5B target: ~14 s), and the
+Quantizing and packing a model's linear layers costs seconds per load, and the
 path to them goes through a bfloat16 copy of the whole model. So once a model has been quantized, every
 tensor it holds is written to one safetensors file, keyed by what they depend on: the GGUF file's content
 (its sha256, or its path, size and mtime when the pair file pins none), the format, the kernels' packed

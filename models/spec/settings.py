@@ -3,7 +3,9 @@ CLI, the API and the server read this dataclass."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from semspec.models.spec import rules
 from semspec.models.spec.names import FLOOR_AUTO, GAMMA_AUTO
@@ -17,6 +19,7 @@ class MethodNotApplicable(ValueError):
 MIN_TEMPERATURE = 1e-3  # a temperature below this decodes greedily
 GAMMA_MAX = 4  # the most steps per round ``gamma_for`` picks
 GAMMA_WHOLE = 0.5  # gamma_for: the longest round accepted whole at least this often
+PER_RUN = ("seed", "benchmark")  # DecodeSettings' fields a run sets (evaluate.seeds, the benchmark), not a config
 
 
 def gamma_for(accept_rate: float | None) -> int:
@@ -31,7 +34,10 @@ def gamma_for(accept_rate: float | None) -> int:
 
 @dataclass
 class DecodeSettings:
-    """Knobs shared by every decoder."""
+    """The knobs every decoder shares, each defined here once: a field, its comment and its check.
+    ``params.yaml``'s ``evaluate.decode`` section is parsed into it (``from_mapping``), and the evaluation,
+    ``semspec decode``, ``semspec bench``, the API and the server start from that; a new setting is a
+    field here and a line there."""
 
     max_new_tokens: int = 256  # output budget (target-tokenizer tokens where a target is involved)
     step_tokens: int | None = None  # per-step budget; None: each model spec's max_step_tokens
@@ -61,6 +67,7 @@ class DecodeSettings:
     min_token_p: float | None = None
     accept_threshold: int = 7  # specreason: accept steps scored at or above this (0-9)
     salvage: bool = True  # greedy semanticspec: a rejected step keeps its prefix the target agrees with
+    # per run, not configured (PER_RUN): the seed of the run's draws and how its answers are read
     seed: int = 0
     benchmark: str = "math"  # how to extract the final answer (gpqa: a letter)
 
@@ -75,35 +82,62 @@ class DecodeSettings:
         return self.salvage and self.temperature == 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.step_tokens is not None and self.step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.gamma != GAMMA_AUTO and (
-            not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1
-        ):
-            raise ValueError(f"gamma must be a count >= 1 or 'auto', got {self.gamma!r}")
-        if self.lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
-        if self.rewrite_wait < 0:
-            raise ValueError(f"rewrite_wait must be >= 0, got {self.rewrite_wait}")
+        _count("max_new_tokens", self.max_new_tokens, 1)
+        _count("step_tokens", self.step_tokens, 1, optional=True)
+        if self.gamma != GAMMA_AUTO:
+            _count("gamma", self.gamma, 1, extra=" or 'auto'")
+        _count("lookahead", self.lookahead, 0)
+        _count("rewrite_wait", self.rewrite_wait, 0)
         for name in ("min_ratio", "min_p"):
             floor = getattr(self, name)
-            if floor is not None and floor != FLOOR_AUTO and (isinstance(floor, str) or floor < 0):
-                raise ValueError(f"{name} must be None, a number >= 0 or 'auto', got {floor!r}")
+            if floor is not None and floor != FLOOR_AUTO and (not _number(floor) or floor < 0):
+                raise ValueError(f"{name} must be null, a number >= 0 or 'auto', got {floor!r}")
         if self.min_ratio is not None and self.min_p is not None:
             raise ValueError("min_ratio and min_p are two acceptance rules: set one of them, not both")
-        if self.max_rejections is not None and (
-            not isinstance(self.max_rejections, int) or self.max_rejections < 0
-        ):
-            raise ValueError(f"max_rejections must be None or a count >= 0, got {self.max_rejections!r}")
-        if self.min_token_p is not None and (
-            isinstance(self.min_token_p, bool | str) or not 0 < self.min_token_p < 1
-        ):
-            raise ValueError(f"min_token_p must be None or a probability in (0, 1), got {self.min_token_p!r}")
-        if not 0 <= self.accept_threshold <= 9:
+        _count("max_rejections", self.max_rejections, 0, optional=True)
+        if self.min_token_p is not None and (not _number(self.min_token_p) or not 0 < self.min_token_p < 1):
+            raise ValueError(f"min_token_p must be null or a probability in (0, 1), got {self.min_token_p!r}")
+        _count("accept_threshold", self.accept_threshold, 0)
+        if self.accept_threshold > 9:
             raise ValueError(f"accept_threshold must be in 0..9, got {self.accept_threshold}")
+        if not isinstance(self.salvage, bool):
+            raise ValueError(f"salvage must be true or false, got {self.salvage!r}")
+        if not _number(self.temperature) or not _number(self.top_p):
+            raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, {self.top_p!r}")
         if not self.temperature >= 0 or not 0 < self.top_p <= 1:  # NaN fails too
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "evaluate.decode") -> DecodeSettings:
+        """The settings a config section gives (``params.yaml``'s ``evaluate.decode``), checked once: an
+        unknown key, a per-run field or a bad value is a ValueError naming ``where``."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must be a mapping of decode settings, got {type(data).__name__}")
+        known = [f.name for f in fields(cls) if f.name not in PER_RUN]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            why = " (set per run: evaluate.seeds, the benchmark)" if set(unknown) & set(PER_RUN) else ""
+            raise ValueError(f"{where}: unknown setting(s) {unknown}{why}; known: {known}")
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def configured(self) -> dict[str, Any]:
+        """The settings a config gives, by name (the per-run fields left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PER_RUN}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(name: str, value: Any, least: int, optional: bool = False, extra: str = "") -> None:
+    """ValueError unless ``value`` is an int >= ``least`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        none = "null or " if optional else ""
+        raise ValueError(f"{name} must be {none}a count >= {least}{extra}, got {value!r}")

@@ -22,13 +22,13 @@ from semspec.models.spec.settings import DecodeSettings
 
 # every knob away from DecodeSettings' own defaults, so a call site that forgets one shows
 PARAMS = [
-    "evaluate.temperature=0.7",
-    "evaluate.top_p=0.8",
-    "evaluate.gamma=2",
-    "evaluate.min_ratio=0.5",
-    "evaluate.lookahead=2",
-    "evaluate.rewrite_wait=3",
-    "evaluate.max_new_tokens=200",
+    "evaluate.decode.temperature=0.7",
+    "evaluate.decode.top_p=0.8",
+    "evaluate.decode.gamma=2",
+    "evaluate.decode.min_ratio=0.5",
+    "evaluate.decode.lookahead=2",
+    "evaluate.decode.rewrite_wait=3",
+    "evaluate.decode.max_new_tokens=200",
 ]
 
 
@@ -75,17 +75,55 @@ def test_the_four_callers_decode_with_the_evaluations_settings(captured):
     assert len(seen) == 4
     ev, dec, bench_one, bench_batch = seen
     # the evaluation's settings are the params' (none left at DecodeSettings' defaults)
+    assert ev == replace(params.evaluate.decode, seed=0, benchmark="math")
     defaults = asdict(DecodeSettings())
     for key in ("temperature", "top_p", "gamma", "min_ratio", "lookahead", "rewrite_wait", "max_new_tokens"):
-        assert asdict(ev)[key] == getattr(params.evaluate, key) != defaults[key], key
-    # each caller differs from it only in what it sets itself: the budget (the decode command: its options)
-    assert dec == replace(ev, max_new_tokens=256)
-    assert bench_one == bench_batch == ev
+        assert asdict(ev)[key] != defaults[key], key
+    # each caller differs from it only in what it sets itself: no command has defaults of its own
+    assert dec == bench_one == bench_batch == ev
     assert smoke == replace(ev, max_new_tokens=SMOKE_TOKENS)
 
 
+def test_a_command_line_option_replaces_the_params_value(captured):
+    params, seen = captured
+    runner = CliRunner()
+    res = runner.invoke(app, ["decode", "2+2?", "--method", "target", "--max-new-tokens", "9", "--seed", "4"])
+    assert res.exit_code == 2 and "captured" in res.output, res.output
+    assert runner.invoke(app, ["bench", "--no-salvage", "--lookahead", "0"]).exit_code == 2
+    assert seen == [
+        replace(params.evaluate.decode, max_new_tokens=9, seed=4),
+        replace(params.evaluate.decode, salvage=False, lookahead=0),
+    ]
+
+
+def test_every_decode_setting_is_in_params_yaml_and_the_api():
+    """A setting is a DecodeSettings field and a line of params.yaml's evaluate.decode: the API, the CLI's
+    defaults and the evaluation read it from there."""
+    import yaml
+
+    from semspec.api import SETTINGS
+    from semspec.models.project.pairs import project_root
+    from semspec.models.spec.settings import PER_RUN
+
+    raw = yaml.safe_load((project_root() / "params.yaml").read_text())["evaluate"]["decode"]
+    assert set(raw) == set(DecodeSettings().configured()) and not set(raw) & set(PER_RUN)
+    assert set(SETTINGS) == set(asdict(DecodeSettings()))
+
+
+def test_a_bad_decode_setting_in_the_params_names_its_place():
+    with pytest.raises(ValueError, match=r"evaluate\.decode: lookahead must be a count >= 0"):
+        config.load_params(None, "tiny", ["evaluate.decode.lookahead=-1"])
+    with pytest.raises(ValueError, match=r"evaluate\.decode: unknown setting\(s\) \['seed'\] \(set per run"):
+        config.load_params(None, "tiny", ["evaluate.decode.seed=3"])
+    with pytest.raises(ValueError, match="unknown setting"):
+        config.load_params(None, "tiny", ["evaluate.decode.gama=3"])
+    # a profile overlays the decode settings key by key: tiny sets the budget and keeps the base's gamma
+    assert config.load_params(None, "tiny", []).evaluate.decode.max_new_tokens == 16
+    assert config.load_params(None, "tiny", ["evaluate.decode.gamma=3"]).evaluate.decode.gamma == 3
+
+
 def test_an_override_replaces_one_field_and_a_bad_value_names_it():
-    ev = config.load_params(None, "tiny", ["evaluate.top_p=0.8"]).evaluate
+    ev = config.load_params(None, "tiny", ["evaluate.decode.top_p=0.8"]).evaluate
     assert decoders.decode_settings(ev, seed=5) == replace(decoders.decode_settings(ev), seed=5)
     assert decoders.decode_settings(ev).top_p == 0.8
     with pytest.raises(ValueError, match="lookahead"):

@@ -16,7 +16,7 @@ def test_default_params_are_the_demo_profile():
     assert pair.draft.max_step_tokens == pair.target.max_step_tokens == 48
     assert pair.draft.dtype == pair.target.dtype == "auto"
     assert p.ingest.max_questions * p.ingest.max_prefixes_per_question == 16
-    assert p.evaluate.max_new_tokens >= 150 and "specsampling" in p.evaluate.methods
+    assert p.evaluate.decode.max_new_tokens >= 150 and "specsampling" in p.evaluate.methods
     assert p.retrain.cron == "0 3 * * 1" and p.retrain.stages[0] == "ingest"
     assert p.train.variants == ["last", "all", "mix", "random"]
     assert p.train.hidden("target") == [2048, 512] and p.train.hidden("draft") == [512, 256]
@@ -33,7 +33,7 @@ def test_every_shipped_pair_picks_its_format_for_the_machine():
 def test_profiles_and_overrides():
     acc = load_params(profile="accuracy")
     assert set(acc.evaluate.benchmarks) == {"arith", "math500", "aime24", "amc23", "gpqa"}
-    assert acc.evaluate.max_new_tokens == 512 and acc.evaluate.levels == [1, 2]
+    assert acc.evaluate.decode.max_new_tokens == 512 and acc.evaluate.levels == [1, 2]
     paper = load_params(profile="paper")
     assert paper.ingest.source == "s1k" and paper.sample.max_step_tokens is None and paper.sample.n == 20
     tiny = load_params(profile="tiny", overrides=["sample.n=3", "train.variants=[all, random]"])
@@ -69,16 +69,16 @@ def test_profiles_and_overrides():
         ("train.domains=math", "'domains' must be 'all' or a non-empty list"),
         ("train.domains=[math, a-b]", "domain 'a-b'"),
         ("evaluate.probe_domain=x/y", "domain 'x/y'"),
-        ("evaluate.lookahead=-1", "'lookahead' must be a count"),
-        ("evaluate.rewrite_wait=x", "'rewrite_wait' must be a count"),
-        ("evaluate.min_ratio=strict", "'min_ratio' must be null, a number >= 0 or 'auto'"),
-        ("evaluate.min_ratio=-0.5", "'min_ratio'"),
-        ("evaluate.min_p=high", "'min_p' must be null, a number >= 0 or 'auto'"),
-        ("evaluate.max_rejections=-1", "'max_rejections' must be null or a count >= 0"),
-        ("evaluate.max_rejections=many", "'max_rejections' must be null or a count >= 0"),
-        ("evaluate.min_token_p=0", "'min_token_p' must be null or a probability"),
-        ("evaluate.min_token_p=1.5", "'min_token_p' must be null or a probability"),
-        ("evaluate.min_token_p=auto", "'min_token_p' must be null or a probability"),
+        ("evaluate.decode.lookahead=-1", "evaluate.decode: lookahead must be a count"),
+        ("evaluate.decode.rewrite_wait=x", "evaluate.decode: rewrite_wait must be a count"),
+        ("evaluate.decode.min_ratio=strict", "evaluate.decode: min_ratio must be null, a number >= 0 or 'auto'"),
+        ("evaluate.decode.min_ratio=-0.5", "evaluate.decode: min_ratio"),
+        ("evaluate.decode.min_p=high", "evaluate.decode: min_p must be null, a number >= 0 or 'auto'"),
+        ("evaluate.decode.max_rejections=-1", "evaluate.decode: max_rejections must be null or a count >= 0"),
+        ("evaluate.decode.max_rejections=many", "evaluate.decode: max_rejections must be null or a count >= 0"),
+        ("evaluate.decode.min_token_p=0", "evaluate.decode: min_token_p must be null or a probability"),
+        ("evaluate.decode.min_token_p=1.5", "evaluate.decode: min_token_p must be null or a probability"),
+        ("evaluate.decode.min_token_p=auto", "evaluate.decode: min_token_p must be null or a probability"),
         ("ingest.trace_author=[data, judge]", "'trace_author'"),
     ],
 )
@@ -88,11 +88,11 @@ def test_bad_values_name_the_field(override, msg):
 
 
 def test_min_ratio_takes_auto_and_numbers():
-    assert load_params(overrides=["evaluate.min_p=auto"]).evaluate.min_p == "auto"
+    assert load_params(overrides=["evaluate.decode.min_p=auto"]).evaluate.decode.min_p == "auto"
     with pytest.raises(ValueError, match="two acceptance rules"):
-        load_params(overrides=["evaluate.min_p=auto", "evaluate.min_ratio=0.3"])
-    assert load_params(overrides=["evaluate.min_ratio=auto"]).evaluate.min_ratio == "auto"
-    assert load_params(overrides=["evaluate.min_ratio=0.4"]).evaluate.min_ratio == 0.4
+        load_params(overrides=["evaluate.decode.min_p=auto", "evaluate.decode.min_ratio=0.3"])
+    assert load_params(overrides=["evaluate.decode.min_ratio=auto"]).evaluate.decode.min_ratio == "auto"
+    assert load_params(overrides=["evaluate.decode.min_ratio=0.4"]).evaluate.decode.min_ratio == 0.4
 
 
 def test_unknown_profile_and_missing_file(tmp_path):
@@ -111,4 +111,4 @@ def test_a_profile_replaces_a_dict_setting_whole(tmp_path):
     assert len(base["evaluate"]["benchmarks"]) > 1, "params.yaml evaluates more than one benchmark"
     p = load_params(profile="tiny")
     assert p.evaluate.benchmarks == {"arith": 2}, "tiny's benchmarks replace the base's, not add to them"
-    assert p.evaluate.max_new_tokens == 16 and p.evaluate.levels == base["evaluate"]["levels"]
+    assert p.evaluate.decode.max_new_tokens == 16 and p.evaluate.levels == base["evaluate"]["levels"]

@@ -22,7 +22,7 @@ from semspec.tasks.cross import run_cross
 from semspec.tasks.ingest import run_ingest
 from semspec.tasks.io import read_shards
 from semspec.tasks.sample import run_sample
-from semspec.tasks.train import split_by_question
+from semspec.tasks.train.data import split_by_question
 from tests.helpers.pipeline import write_tiny_pair
 from tests.helpers.project import kill_mid_run
 from tests.helpers.tiny import boost_tokens
@@ -811,7 +811,7 @@ def test_status_says_not_evaluated_until_an_evaluation_of_the_champions_finishes
         ev.stage(params=params, pair=pair, metrics=metrics, **kw)
     assert json.loads(metrics.read_text())["_run"]["probes"] == dict(sorted(pins.items()))
     assert evaluation_status(params, pair, metrics) is None
-    other = load_params(profile="tiny", overrides=[*OVERRIDES, "evaluate.max_new_tokens=7"])
+    other = load_params(profile="tiny", overrides=[*OVERRIDES, "evaluate.decode.max_new_tokens=7"])
     assert "other settings (evaluate_hash)" in evaluation_status(other, pair, metrics)
     record = json.loads(metrics.read_text())
     record["_run"]["probes"]["target-all"] = "0"
@@ -836,10 +836,11 @@ def test_mlflow_lost_mid_train_keeps_the_probes_and_registers_them_later(
     import semspec.tasks.train as T
     from semspec.tasks.config import TrainConfig
     from semspec.tasks.probe_registry import read_pointers
+    from semspec.tasks.train import registry
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
     monkeypatch.setenv("SEMSPEC_MLFLOW_ARTIFACTS", str(tmp_path / "mlartifacts"))
-    real, calls = T.register_probe, []
+    real, calls = registry.register_probe, []
 
     def flaky(*args, **kw):
         calls.append(args[3])
@@ -847,7 +848,7 @@ def test_mlflow_lost_mid_train_keeps_the_probes_and_registers_them_later(
             raise MlflowException("API request to http://127.0.0.1:5000 failed: Connection refused")
         return real(*args, **kw)
 
-    monkeypatch.setattr(T, "register_probe", flaky)
+    monkeypatch.setattr(registry, "register_probe", flaky)
     src, out = stages["tmp"], tmp_path / "probes"
     cfg = TrainConfig(variants=["all", "random"], max_epochs=2, batch_size=16)
     args = (stages["pair"], src / "samples", src / "labels", out, tmp_path / "m.json", tmp_path / "plots")
@@ -859,7 +860,7 @@ def test_mlflow_lost_mid_train_keeps_the_probes_and_registers_them_later(
     assert [(p["role"], p["key"]) for p in kept] == [("target", "all"), ("target", "random")]
     assert all((Path(p["folder"]) / "probe.safetensors").is_file() for p in kept)
 
-    monkeypatch.setattr(T, "register_probe", real)
+    monkeypatch.setattr(registry, "register_probe", real)
     metrics = T.register_pending(out)
     pins = read_pointers(out)
     assert set(pins) == {"draft-all", "draft-random", "target-all", "target-random"}
@@ -892,7 +893,7 @@ def test_the_pooling_study_repools_the_stored_steps_and_trains_both(stages):
 
 
 def test_routing_metrics_on_hand_made_predictions():
-    from semspec.tasks.train import routing_metrics
+    from semspec.tasks.train.metrics import routing_metrics
 
     shared = np.array([True, True, True, False, False])
     perfect = routing_metrics(np.array([0.9, 0.8, 0.9, 0.0, 0.1]), np.full(5, 0.5), shared)
@@ -919,7 +920,7 @@ def test_routing_metrics_on_hand_made_predictions():
 
 
 def test_the_min_ratio_is_the_floor_that_best_separates_the_steps():
-    from semspec.tasks.train import choose_min_ratio
+    from semspec.tasks.train.metrics import choose_min_ratio
 
     shared = np.array([True, True, True, False, False, False])
     q = np.full(6, 0.5)
@@ -932,7 +933,7 @@ def test_the_min_ratio_is_the_floor_that_best_separates_the_steps():
 
 
 def test_the_min_p_is_the_floor_on_p_that_best_separates_the_steps():
-    from semspec.tasks.train import choose_min_p, p_rule_rates
+    from semspec.tasks.train.metrics import choose_min_p, p_rule_rates
 
     shared = np.array([True, True, True, False, False, False])
     p = np.array([0.9, 0.6, 0.2, 0.3, 0.25, 0.05])  # a floor at 0.6 keeps 2 of 3 shared and no other
@@ -1048,7 +1049,7 @@ def test_train_reports_routing_of_every_variant_and_the_oracle(stages, trained):
 
 
 def test_training_on_both_authors_uses_each_models_reading_of_the_other(stages, tmp_path):
-    from semspec.tasks.train import load_joint_probe_data, load_probe_data
+    from semspec.tasks.train.data import load_joint_probe_data, load_probe_data
 
     tmp = stages["tmp"]
     joint = pq.read_table(tmp / "labels" / "joint.parquet").to_pylist()

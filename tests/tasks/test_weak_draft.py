@@ -42,10 +42,10 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "rule", ["evaluate.min_ratio=auto", "evaluate.max_rejections=1", "evaluate.min_token_p=0.01"]
+    "rule", ["evaluate.decode.min_ratio=auto", "evaluate.decode.max_rejections=1", "evaluate.decode.min_token_p=0.01"]
 )
 def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path, rule):
-    """``evaluate.min_ratio`` and ``max_rejections`` are read by SemanticSpec alone: the baselines' rows
+    """``evaluate.decode.min_ratio`` and ``max_rejections`` are read by SemanticSpec alone: the baselines' rows
     keep their run key under them (so the ``+floor`` and ``+hN`` evaluations resume the shared ones),
     SemanticSpec's get another."""
     pair = write_tiny_pair(tmp_path)
@@ -61,15 +61,15 @@ def test_each_rule_suffix_evaluates_under_its_settings():
 
     assert rule_settings("+floor") == [
         "--set",
-        "evaluate.min_ratio=auto",
+        "evaluate.decode.min_ratio=auto",
         "--set",
         "evaluate.probe_variants=[all]",
     ]
     assert rule_settings("+h2") == [
-        "--set", "evaluate.max_rejections=2", "--set", "evaluate.probe_variants=[all,random]",
+        "--set", "evaluate.decode.max_rejections=2", "--set", "evaluate.probe_variants=[all,random]",
     ]  # fmt: skip
     assert rule_settings("+t0.01+h1") == [
-        "--set", "evaluate.min_token_p=0.01", "--set", "evaluate.max_rejections=1",
+        "--set", "evaluate.decode.min_token_p=0.01", "--set", "evaluate.decode.max_rejections=1",
         "--set", "evaluate.probe_variants=[all,random]",
     ]  # fmt: skip
     for bad in ("+hx", "+t2", "+tx"):

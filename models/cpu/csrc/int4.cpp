@@ -31,8 +31,8 @@ static inline void block(const uint16_t* x, int64_t K, const uint8_t* q, const u
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NC; ++i) a[r][i] = _mm512_setzero_ps();
     for (int u = 0; u < CHUNKS; ++u) {
-      // 2 KB ahead, a cache line per 2 chunks: on a 2-core Sapphire Rapids-class Xeon the hardware
-      // prefetcher alone streamed ~8 GB/s into this loop (0.72 ms per 1536 -> 8960 call), with it 0.35
+      // 2 KB ahead, a cache line per 2 chunks: on some CPUs the hardware prefetcher alone does not keep
+      // this loop at the memory bandwidth (figures per CPU kind: docs/formats.md)
       if ((u & 1) == 0) _mm_prefetch((const char*)(q + 32 * u + PREFETCH), _MM_HINT_T0);
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(q + 32 * u)));  // 32 bytes
       // 128 + q as bfloat16: (w & 0xf) | 0x4300 and (w >> 4) | 0x4300

@@ -4,8 +4,8 @@
 
 // Packed weights: output channels in blocks of PJ, each block stored as K / PC chunks of PC inputs per
 // channel ([N / PJ][K / PC][PJ][PC]), so a block's PJ dot products read one sequential stream. Read as
-// plain rows, each thread would follow PJ streams (or one per output) with x reloaded for every row:
-// measured on a 2-core AVX512 EPYC, one call of the 1.5B's layers read 14-20 GB/s that way, 23-29 packed.
+// plain rows, each thread would follow PJ streams (or one per output) with x reloaded for every row,
+// reading the weights well below the memory bandwidth (figures per CPU kind: docs/formats.md).
 enum { PJ = 8, PC = 16 };
 #ifdef __AVX512F__
 enum { PR = 2 };  // rows of x per pass over a block (PR * PJ accumulators: 16 of the 32 vector registers)
