@@ -29,7 +29,7 @@ from pathlib import Path
 
 from semspec.models.cpu.formats import cpu_info
 from semspec.models.project.pairs import load_pair
-from semspec.tasks.bench import gguf_path
+from semspec.tasks.llamacpp import gguf_path
 
 QUESTION = "A train travels 60 km in 45 minutes. What is its average speed in km/h?"
 _CHILD = r"""

@@ -8,7 +8,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from semspec.models.spec.results import DecodeResult
 from semspec.models.spec.settings import DecodeSettings, MethodNotApplicable
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder, decode_settings
-from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer
+from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer, gguf_path
 
 log = logging.getLogger(__name__)
 
@@ -341,24 +340,6 @@ def bench(
         LLAMACPP_SPEC: f"{spec.peak_rss_gb or float('nan'):.2f} GB",
     }
     return summary, format_bench(summary)
-
-
-def gguf_path(spec: Any) -> Path:
-    """The GGUF file a model spec loads (joined and checked as semspec loads it; a Hub model's from the
-    local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
-    cannot run."""
-    from semspec.models.lm.loading import gguf_path as on_disk
-    from semspec.models.lm.weights import resolve_spec
-
-    if not spec.gguf_file:
-        raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")
-    path = on_disk(resolve_spec(spec), spec.gguf_file)
-    if path is None:
-        raise ValueError(
-            f"--llamacpp: {spec.model_id}'s {spec.gguf_file} is not on disk yet; load the pair once "
-            f"(e.g. `semspec decode`) so the Hub cache holds it"
-        )
-    return path
 
 
 def peak_rss_gb() -> float:

@@ -190,3 +190,21 @@ class LlamaCppDecoder:
                 1, timings["draft_n"]
             )
         return res
+
+
+def gguf_path(spec: Any) -> Path:
+    """The GGUF file a model spec loads (joined and checked as semspec loads it; a Hub model's from the
+    local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
+    cannot run."""
+    from semspec.models.lm.loading import gguf_path as on_disk
+    from semspec.models.lm.weights import resolve_spec
+
+    if not spec.gguf_file:
+        raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")
+    path = on_disk(resolve_spec(spec), spec.gguf_file)
+    if path is None:
+        raise ValueError(
+            f"--llamacpp: {spec.model_id}'s {spec.gguf_file} is not on disk yet; load the pair once "
+            f"(e.g. `semspec decode`) so the Hub cache holds it"
+        )
+    return path
