@@ -35,13 +35,9 @@ from semspec.models.lm import LM, Pooled, load_lm
 from semspec.models.project.pairs import load_pair
 from semspec.tasks.config import load_params
 from semspec.tasks.io import column_matrix, read_shards
-from semspec.tasks.train import (
-    ProbeData,
-    fit_probe,
-    predict,
-    probe_metrics,
-    split_by_question,
-)
+from semspec.tasks.train.data import ProbeData, split_by_question
+from semspec.tasks.train.fit import fit_probe, predict
+from semspec.tasks.train.metrics import probe_metrics
 
 POOLINGS = ("predict", "tokens")
 METRICS = ("mse", "auroc", "spearman")

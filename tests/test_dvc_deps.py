@@ -54,7 +54,7 @@ def stage_deps() -> dict[str, set[Path]]:
 
 def test_the_import_walk_follows_project_modules_only():
     files = project_imports("semspec.tasks.train")
-    assert ROOT / "tasks/train.py" in files and ROOT / "models/spec/probe.py" in files
+    assert ROOT / "tasks/train/__init__.py" in files and ROOT / "models/spec/probe.py" in files
     assert ROOT / "tasks/io.py" in files  # through a `from semspec.tasks.io import ...`
     # a package's __init__ and, through it, its modules
     assert ROOT / "models/lm/step_loop.py" in files and ROOT / "models/lm/__init__.py" in files

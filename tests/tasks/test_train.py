@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from semspec.tasks.config import TrainConfig
-from semspec.tasks.train import ProbeData, fit_probe, predict
+from semspec.tasks.train.data import ProbeData
+from semspec.tasks.train.fit import fit_probe, predict
 
 
 def _data(n: int, d: int = 6) -> ProbeData:
@@ -63,7 +64,7 @@ def test_fit_probe_on_a_tiny_split_gives_finite_predictions(capsys, caplog):
 def test_a_training_fraction_keeps_nested_seeded_subsets_of_questions():
     import numpy as np
 
-    from semspec.tasks.train import keep_questions
+    from semspec.tasks.train.data import keep_questions
 
     q = np.array([f"q{i % 200}" for i in range(1000)])
     quarter, half = keep_questions(q, 0.25, 0), keep_questions(q, 0.5, 0)
