@@ -32,7 +32,7 @@ def probes_export(
     ] = False,
 ) -> None:
     """Write the champion draft and target probes of a pair's variants, with their card, to FOLDER."""
-    from semspec.models.project.probe_card import read_card
+    from semspec.models.project.probe_folder import read_card
     from semspec.tasks.probe_export import export_probes
 
     out = or_exit(lambda: export_probes(pair or default_pair(), folder, variant, overwrite))

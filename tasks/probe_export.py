@@ -25,10 +25,9 @@ from semspec.models.project.probe_card import (
     ProbeCard,
     check_card,
     probe_folder_name,
-    read_card,
-    resolve_probes,
     write_card,
 )
+from semspec.models.project.probe_folder import read_card, resolve_probes
 from semspec.models.spec.names import ALL_DOMAINS, FEATURE_COLUMNS, ROLES, probe_key, split_probe_key
 from semspec.models.spec.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
 from semspec.tasks.probe_registry import (

@@ -1,4 +1,5 @@
-"""Probes that travel: a folder of exported probes and its JSON card, read without MLflow.
+"""Probes that travel: the card of a folder of exported probes, its checks against a pair, and loading a
+probe from such a folder, without MLflow.
 
 ``semspec probes export`` (``semspec.tasks.probe_export``) writes, for each exported probe variant and
 role, the probe as ``save_probe`` stores it (``probe.safetensors`` + ``probe.json``) and one card,
@@ -11,16 +12,17 @@ role, the probe as ``save_probe`` stores it (``probe.safetensors`` + ``probe.jso
       draft-all-math/           a probe of one domain (key ``all@math``)
       ...
 
-This module reads such a folder (local, or a Hugging Face Hub repo fetched by ``snapshot_download``),
-checks the card against a pair before any model loads (``check_card``) and loads a probe after checking
-that it fits the model it will read (``load_card_probe``), as ``semspec.tasks.probe_registry.load_probe``
-does for registry versions. It imports torch and huggingface_hub only: never mlflow.
+This module holds the card's schema (``ProbeCard``, ``CardProbe``; parsed by ``card_from_json``, written by
+``write_card``), checks the card against a pair before any model loads (``check_card``: the format check is
+why it imports ``models/cpu``) and loads a probe after checking that it fits the model it will read
+(``load_card_probe``), as ``semspec.tasks.probe_registry.load_probe`` does for registry versions. Finding
+such a folder (local, or a Hugging Face Hub repo) and reading its card is ``probe_folder``. It imports
+torch only: never mlflow.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -30,11 +32,8 @@ from torch import nn
 
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm.pair import PairConfig
-from semspec.models.project.settings import settings
 from semspec.models.spec.names import ROLES, split_probe_key
 from semspec.models.spec.probe import CONFIG_FILE, WEIGHTS_FILE, load_probe_folder, sha256_of
-
-log = logging.getLogger(__name__)
 
 CARD_FILE = "semspec-probes.json"  # the card at the top of an exported folder
 CARD_KIND = "semspec-probes"  # the card's ``kind``: tells it from other JSON files
@@ -42,13 +41,7 @@ CARD_VERSION = 1  # the card's ``format_version``; a reader refuses any other
 # what a train run chose or measured on held-out steps (registry tags of these names): the floors, and the
 # step acceptance rate ``gamma: auto`` reads
 FLOORS = ("min_ratio", "min_p", "accept_rate")
-# a Hugging Face Hub repo id (``org/name``), optionally at a revision (``org/name@revision``)
-_REPO_RE = re.compile(
-    r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[A-Za-z0-9._/-]+))?"
-)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
-# what a Hub snapshot of an exported folder needs (nothing else is downloaded)
-HUB_PATTERNS = [CARD_FILE, f"*/{WEIGHTS_FILE}", f"*/{CONFIG_FILE}"]
 
 
 def probe_folder_name(role: str, variant: str) -> str:
@@ -137,84 +130,6 @@ def write_card(card: ProbeCard, folder: Path) -> Path:
     path = folder / CARD_FILE
     path.write_text(json.dumps(card.to_json(), indent=2, sort_keys=True, allow_nan=False), encoding="utf-8")
     return path
-
-
-# ----------------------------------------------------------------------------------- reading
-def resolve_probes(source: str | Path) -> Path:
-    """The local folder of exported probes ``source`` names: a folder (a ``Path`` is always one; a string
-    is one when it exists), else a Hugging Face Hub repo id ``org/name`` or ``org/name@revision``, fetched
-    (the card and the probes only) by ``huggingface_hub.snapshot_download`` into the Hub cache; with
-    ``HF_HUB_OFFLINE`` set only the cache is read. ValueError says what to pass when it is neither, or
-    when the folder holds no card."""
-    text = str(source)
-    local = Path(text).expanduser()
-    if isinstance(source, Path) or local.exists():
-        return _card_folder(local, text)
-    m = _REPO_RE.fullmatch(text)
-    if m is None:
-        raise ValueError(
-            f"probes {text!r}: no such folder, and not a Hugging Face Hub repo id: pass a folder written by "
-            f"`semspec probes export --pair <pair> DIR`, or a Hub repo id `org/name` (or `org/name@revision`)"
-        )
-    return _card_folder(_snapshot(m["repo"], m["revision"]), text)
-
-
-def _card_folder(folder: Path, source: str) -> Path:
-    """``folder`` (resolved) when it holds a card; ValueError otherwise."""
-    if not folder.is_dir():
-        raise ValueError(
-            f"probes {source!r}: {folder} is not a folder: pass a folder written by "
-            f"`semspec probes export --pair <pair> DIR`, or a Hub repo id `org/name`"
-        )
-    if not (folder / CARD_FILE).is_file():
-        raise ValueError(
-            f"probes {source!r}: {folder} holds no {CARD_FILE}: pass a folder written by "
-            f"`semspec probes export --pair <pair> DIR` (or a Hub repo holding one at its top)"
-        )
-    return folder.resolve()
-
-
-def _snapshot(repo: str, revision: str | None) -> Path:
-    """The Hub repo ``repo`` at ``revision`` (default: main) in the local Hub cache, fetched unless
-    ``HF_HUB_OFFLINE`` is set; ValueError saying how to get it otherwise."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    offline = settings().hub_offline
-    at = f"{repo}@{revision}" if revision else repo
-    try:
-        path = snapshot_download(
-            repo_id=repo, revision=revision, local_files_only=offline, allow_patterns=HUB_PATTERNS
-        )
-    except (OSError, EntryNotFoundError) as e:
-        if offline:
-            raise ValueError(
-                f"probes {at}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set: fetch it once "
-                f"where the Hub is reachable (`hf download {repo}"
-                f"{f' --revision {revision}' if revision else ''}`), or pass a local folder"
-            ) from None
-        raise ValueError(
-            f"probes {at}: could not be fetched from the Hugging Face Hub ({type(e).__name__}: {e}): check "
-            f"the repo id and revision (log in with `hf auth login` for a private repo), or pass a local folder"
-        ) from None
-    log.info("probes %s: %s", at, path)
-    return Path(path)
-
-
-def read_card(folder: str | Path) -> ProbeCard:
-    """The card of an exported folder (``folder/CARD_FILE``), validated: its kind and format version,
-    both roles for every probe key, every path inside the folder. ValueError names what is wrong."""
-    folder = Path(folder)
-    path = folder / CARD_FILE
-    if not path.is_file():
-        raise ValueError(
-            f"{folder} holds no {CARD_FILE}: pass a folder written by `semspec probes export --pair <pair> DIR`"
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}): export the probes again") from None
-    return card_from_json(data, str(path), folder)
 
 
 def card_from_json(data: Any, where: str = CARD_FILE, folder: Path | None = None) -> ProbeCard:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import semspec.models.lm.adapter as adapter
+import semspec.models.lm.step_decoding as step_decoding
 from semspec.models.lm import LM, StepStart
 from semspec.models.spec.batching import SingleModelDecoder, decode_all
 from semspec.models.spec.semanticspec import SemanticSpecDecoder
@@ -124,14 +124,14 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
     rounds, loops = [], []
     real = decoder._advance
     decoder._advance = lambda rows: (rounds.append(len(rows)), real(rows))[1]
-    real_loop = adapter.sample_rows
+    real_loop = step_decoding.sample_rows
 
     def spy(self, starts, *args):
         runs = real_loop(self, starts, *args)
         loops.append([len(r.samples) for r in runs])
         return runs
 
-    monkeypatch.setattr(adapter, "sample_rows", spy)
+    monkeypatch.setattr(step_decoding, "sample_rows", spy)
     seen = []
     batched = decoder.decode_batch(QUESTIONS, batch_size=4, on_result=lambda i, r: seen.append(i))
     del decoder._advance
@@ -197,9 +197,11 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
     # steps of 1 to 8 tokens: rows finish theirs far apart, so lookahead steps are often cut short
     draft = tiny_lm(merged=True, seed=0, boost=0.5, eos_bias=0.5, init=0.2, max_step_tokens=8)
     q, p = {"mixed": (1.0, 0.5), "always-accept": (0.1, 1.0)}[probes]
-    dropped, invalid, real, real_valid = [], [], adapter.sample_rows, SemanticSpecDecoder._valid
+    dropped, invalid, real, real_valid = [], [], step_decoding.sample_rows, SemanticSpecDecoder._valid
     monkeypatch.setattr(
-        adapter, "sample_rows", lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0]
+        step_decoding,
+        "sample_rows",
+        lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0],
     )
     resumed = _count_resumed(monkeypatch)
     monkeypatch.setattr(

@@ -20,10 +20,9 @@ from semspec.models.project.probe_card import (
     check_card,
     load_card_probe,
     probe_folder_name,
-    read_card,
-    resolve_probes,
     write_card,
 )
+from semspec.models.project.probe_folder import read_card, resolve_probes
 from semspec.models.spec.probe import ProbeMLP, save_probe, sha256_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +216,8 @@ import sys
 from pathlib import Path
 import torch
 from semspec.models.lm.pair import ModelSpec, PairConfig
-from semspec.models.project.probe_card import load_card_probe, read_card, resolve_probes
+from semspec.models.project.probe_card import load_card_probe
+from semspec.models.project.probe_folder import read_card, resolve_probes
 from semspec.tasks.decoders import check_probes
 folder = resolve_probes({str(tmp_path)!r})
 card = read_card(folder)

@@ -11,7 +11,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from semspec.models.project.probe_card import CARD_FILE, read_card
+from semspec.models.project.probe_card import CARD_FILE
+from semspec.models.project.probe_folder import read_card
 from semspec.models.spec.names import ROLES
 from semspec.models.spec.probe import ProbeMLP, RandomProbe, save_probe
 

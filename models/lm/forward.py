@@ -1,0 +1,163 @@
+"""The forward passes of ``LM``: one forward (the decode kernel's path for unpadded rows), the output head,
+many rows with their own caches in one padded forward, and prefill / extend of contexts built on them."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+
+from semspec.models.cpu import decode_layer
+from semspec.models.cpu.formats import Format
+from semspec.models.lm.cache import row_cache, stack_caches, stackable
+from semspec.models.lm.types import LMState
+
+
+class ForwardMixin:
+    """``LM``'s forwards, prefill and extend; a row's cache is always its own."""
+
+    # set by ``LM.__init__``
+    model: PreTrainedModel
+    device: torch.device
+    format: Format
+    context_window: int | None
+    _layout: DynamicCache
+    model_id: str
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: Cache | None,
+        all_logits: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Cache]:
+        """One forward pass. ``ids`` (B, T) -> logits (B, T or 1, V) float32, hidden (B, T, L+1, D) float32, cache.
+
+        Logits are computed for the last position only unless ``all_logits``: with a large vocabulary
+        (Gemma: 262k) the output head costs as much as the rest of the model per position. A padded
+        batch passes its ``attention_mask`` (B, cached + T) and ``position_ids`` (B, T).
+        """
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        if (
+            attention_mask is None
+            and (whole := decode_layer.decode_model(self.model, ids, cache)) is not None
+        ):
+            logits, hidden = whole  # a decoding call of unpadded rows, the model's layers all in the kernel
+            return logits.float(), hidden.to(torch.float32, memory_format=torch.contiguous_format), cache
+        extra = {}
+        if attention_mask is not None:
+            extra = {
+                "attention_mask": attention_mask.to(self.device),
+                "position_ids": position_ids.to(self.device),
+            }
+        out = self.model(
+            ids.to(self.device),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=0 if all_logits else 1,
+            **extra,
+        )
+        hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
+        return out.logits.float(), hidden, out.cache
+
+    def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from final-layer hidden states (after the final norm): (N, D) -> (N, V) float32."""
+        head = self.model.get_output_embeddings()
+        logits = head(last_hidden.to(self.format.activations).to(self.device)).float().cpu()
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, caches: list[Cache | None], new_ids: list[list[int]], all_logits: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor, Cache]]:
+        """Feed ``new_ids[b]`` after ``caches[b]`` for every row, in one padded forward.
+
+        Each row keeps its own cache: they are stacked left-padded for the forward (the new ids
+        right-padded) and split again after it, so no row ever sees another's positions. Returns, per row,
+        logits (k_b, V) with ``all_logits`` else (1, V) at its last new position, hidden (k_b, L+1, D) and
+        its cache (the old one extended in place when the row ran alone).
+        """
+        if any(not ids for ids in new_ids):
+            raise ValueError("every row needs at least one new token")
+        lens = [0 if c is None else c.get_seq_length() for c in caches]
+        width, k = max(lens), max(len(ids) for ids in new_ids)
+        if len(caches) == 1 or not stackable(caches, self._layout, width + k):
+            rows = []
+            for cache, ids in zip(caches, new_ids, strict=True):
+                logits, hidden, cache = self.forward(torch.tensor([ids]), cache, all_logits)
+                rows.append((logits[0], hidden[0], cache))
+            return rows
+        stacked = stack_caches(self.model.config, caches, lens, width)
+        ids = torch.zeros(len(caches), k, dtype=torch.long)  # (B, k) right-padded
+        mask = torch.zeros(len(caches), width + k, dtype=torch.long)  # (B, width + k)
+        for b, row in enumerate(new_ids):
+            ids[b, : len(row)] = torch.tensor(row)
+            mask[b, width - lens[b] : width + len(row)] = 1
+        pos = torch.tensor(lens)[:, None] + torch.arange(k)[None]  # (B, k)
+        logits, hidden, stacked = self.forward(ids, stacked, all_logits, mask, pos)
+        sizes = torch.tensor([len(row) for row in new_ids])
+        last = (
+            self.head(hidden[torch.arange(len(caches)), sizes - 1, -1]) if not all_logits else None
+        )  # (B, V)
+        out = []
+        for b, n in enumerate(sizes.tolist()):
+            row_logits = logits[b, :n] if last is None else last[b : b + 1]
+            out.append(
+                (
+                    row_logits,
+                    hidden[b, :n],
+                    row_cache(self.model.config, stacked, b, width - lens[b], width + n),
+                )
+            )
+        return out
+
+    def prefill(self, text: str, state: LMState | None = None) -> LMState:
+        """Cache ``text`` (a full context), or extend ``state`` by ``text`` (a continuation)."""
+        return self.extend(state, text)[0] if state is not None else self.prefill_many([text])[0]
+
+    def prefill_many(self, texts: list[str]) -> list[LMState]:
+        """Cache each full context in ``texts``, all in one padded forward."""
+        ids = [self.encode(text) for text in texts]
+        if any(not row for row in ids):
+            raise ValueError("cannot prefill an empty context")
+        for row in ids:
+            if self.context_window is not None and len(row) >= self.context_window:
+                raise ValueError(  # refused, never silently cut: the start of a question matters
+                    f"{self.model_id}: the prompt is {len(row)} tokens and the model's context holds "
+                    f"{self.context_window}; shorten the question (it is not truncated)"
+                )
+        outs = self.forward_rows([None] * len(texts), ids)
+        return [
+            LMState(text, row, cache, logits[-1], hidden[-1])
+            for text, row, (logits, hidden, cache) in zip(texts, ids, outs, strict=True)
+        ]
+
+    def extend(
+        self, state: LMState, text: str, all_logits: bool = False
+    ) -> tuple[LMState, list[int], torch.Tensor, torch.Tensor]:
+        """Append ``text`` to ``state`` in one prefill (mutates ``state.cache``; clone first to keep it).
+
+        Returns the new state, the appended ids, and the outputs at the appended positions:
+        logits (k, V) with ``all_logits`` else (1, V) for the last one, and hidden (k, L+1, D).
+        """
+        return self.extend_many([state], [text], all_logits)[0]
+
+    def extend_many(
+        self, states: list[LMState], texts: list[str], all_logits: bool = False
+    ) -> list[tuple[LMState, list[int], torch.Tensor, torch.Tensor]]:
+        """``extend`` for many rows in one padded forward; each row's cache is its own."""
+        new_ids = [
+            self.continuation_ids(st.text, st.ids, text) for st, text in zip(states, texts, strict=True)
+        ]
+        if any(not ids for ids in new_ids):
+            raise ValueError("cannot extend a context by an empty string")
+        outs = self.forward_rows([st.cache for st in states], new_ids, all_logits)
+        return [
+            (LMState(st.text + text, st.ids + ids, cache, logits[-1], hidden[-1]), ids, logits, hidden)
+            for st, text, ids, (logits, hidden, cache) in zip(states, texts, new_ids, outs, strict=True)
+        ]

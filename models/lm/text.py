@@ -1,0 +1,120 @@
+"""The text side of ``LM``: the delimiter check, prompts (a question, messages or a raw prompt in the
+pair's template), token ids of a context and of a continuation, and where a step's tokens end it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages, neutralize, plain_chat
+from semspec.models.spec.steps import step_end
+
+
+class TextMixin:
+    """``LM``'s prompts and tokenization: everything here reads the tokenizer and the spec only."""
+
+    # set by ``LM.__init__``
+    tokenizer: Any
+    spec: ModelSpec
+    eos_ids: set[int]
+    model_id: str
+
+    def _check_delimiter(self) -> None:
+        """The step delimiter must survive this tokenizer (encoded, then decoded); otherwise no step
+        would ever end at it and every step would run to its token budget."""
+        mark = self.spec.delimiter if self.spec.split == "paragraph" else ". "
+        ids = self.tokenizer.encode(f"a{mark}b", add_special_tokens=False)
+        if mark not in self.tokenizer.decode(ids, skip_special_tokens=True):
+            raise ValueError(
+                f"{self.spec.model_id}: its tokenizer cannot write the step delimiter {mark!r} (it does not "
+                f"survive encoding and decoding); set another `delimiter` in the pair file"
+            )
+
+    def uses_chat_template(self) -> bool:
+        """Whether prompts are built with the tokenizer's chat template."""
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        if self.spec.prompt == "chat" and not has:
+            raise ValueError(
+                f"{self.model_id}: spec says prompt: chat but the tokenizer has no chat template; "
+                f"use prompt: plain or auto"
+            )
+        return self.spec.prompt == "chat" or (self.spec.prompt == "auto" and has)
+
+    def format_prompt(self, question: Prompt) -> str:
+        """The text that precedes the first reasoning step: ``question`` in the pair's template (a chat
+        template's user turn, else ``plain_template``); a list of messages rendered by the chat template
+        (or as plain paragraphs); a ``RawPrompt`` as it is. Control-token strings inside user text are
+        neutralized (``models/lm/prompts.py``)."""
+        if isinstance(question, RawPrompt):
+            if not question:
+                raise ValueError("the prompt is empty")
+            return str(question)
+        if isinstance(question, str):
+            if not question.strip():
+                raise ValueError("question must be a non-empty string")
+            messages = [{"role": "user", "content": question.strip()}]
+        else:
+            messages = check_messages(question)
+        specials = self._control_tokens()
+        messages = [{**m, "content": neutralize(m["content"], specials)} for m in messages]
+        if not self.uses_chat_template():
+            return plain_chat(messages, self.spec.plain_template)
+        if self.spec.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
+        reply = messages[-1]["role"] == "assistant"  # a prefilled reply: continue it
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=not reply, continue_final_message=reply, tokenize=False
+            )
+        except Exception as e:  # jinja's TemplateError: the template's own rules (alternating roles, ...)
+            raise ValueError(f"{self.model_id}'s chat template refuses these messages: {e}") from None
+
+    def _control_tokens(self) -> list[str]:
+        """Every special or added control-token string of the tokenizer."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return sorted({*self.tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)})
+
+    def next_turn(self, instruction: str, reply_start: str) -> str:
+        """The text that closes the assistant's turn, asks ``instruction`` as a new user turn and opens
+        the assistant's reply with ``reply_start`` (SpecReason's verification). With a chat template the
+        turns are the template's own; without one, plain lines."""
+        if not self.uses_chat_template():
+            return f"\n\n{instruction}\n{reply_start}"
+        mark = "\x00semspec-turn\x00"
+        messages = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": mark},
+            {"role": "user", "content": instruction},
+            {"role": "assistant", "content": reply_start},
+        ]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        if text.count(mark) != 1:
+            raise ValueError(f"{self.model_id}: the chat template does not keep assistant turns verbatim")
+        return text.split(mark, 1)[1]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a full context (special tokens added unless the text already starts with BOS)."""
+        bos = self.tokenizer.bos_token
+        add = not (bos and text.startswith(bos))
+        return list(self.tokenizer(text, add_special_tokens=add)["input_ids"])
+
+    def continuation_ids(self, prev_text: str, prev_ids: list[int], new_text: str) -> list[int]:
+        """Ids of ``new_text`` as it tokenizes after ``prev_text`` (falls back to standalone tokenization
+        when the boundary would merge tokens with the cached context)."""
+        full = self.encode(prev_text + new_text)
+        if full[: len(prev_ids)] == prev_ids:
+            return full[len(prev_ids) :]
+        return list(self.tokenizer(new_text, add_special_tokens=False)["input_ids"])
+
+    def check_stop(self, toks: list[int]) -> tuple[str, str] | None:
+        """(text, reason) when ``toks`` ends the step, else None."""
+        if toks[-1] in self.eos_ids:
+            return self.tokenizer.decode(toks[:-1], skip_special_tokens=True), "eos"
+        # decoding only the tail keeps this O(1) per token; an end earlier would have stopped us
+        split, delimiter = self.spec.split, self.spec.delimiter
+        tail = self.tokenizer.decode(toks[-8:], skip_special_tokens=True)
+        if step_end(tail, split, delimiter) is None:
+            return None
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        cut = step_end(text, split, delimiter)
+        return None if cut is None else (text[:cut], "delimiter")
