@@ -20,11 +20,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from semspec.models import cpu, steps
+from semspec.models import cpu
 from semspec.models import lm as lm_module
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM
 from semspec.models.lm.pair import PairConfig
+from semspec.models.spec import steps
 from semspec.models.spec.names import ROLES
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import content_md5, ensure_manifest, file_md5, read_shards, source_md5

@@ -21,11 +21,12 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from semspec.models import cpu, steps
+from semspec.models import cpu
 from semspec.models import lm as lm_module
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
 from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.spec import steps
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import (
     ensure_manifest,
