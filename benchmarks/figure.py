@@ -1,6 +1,6 @@
 """pass@1 against mean time per problem, one labelled point per method: an evaluation as one figure.
 
-Reads what the evaluate stage writes (``tasks/evaluate.py``):
+Reads what the evaluate stage writes (``tasks/evaluate/``):
 
 * a summary, ``eval/<pair>/metrics.json`` (or the copy DVC tracks, ``reports/<pair>/eval_metrics.json``):
   ``{benchmark: {method: {"pass@1", "pass@1_ci95", "cost_s", "latency_s", ...}}, "_overall": {...},
@@ -165,7 +165,7 @@ def cpu_of(metrics: dict[str, Any]) -> str | None:
 def _style(method: str) -> dict[str, str]:
     if method.startswith("llamacpp"):
         return {"color": "tab:pink", "marker": "s"}
-    from semspec.tasks.eval_plots import method_style
+    from semspec.tasks.evaluate.plots import method_style
 
     return method_style(method)
 

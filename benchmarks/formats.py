@@ -49,7 +49,7 @@ from semspec.models.spec.grading import grade
 from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.data import generate_arith
 from semspec.tasks.decoders import build_decoder
-from semspec.tasks.eval_stats import bootstrap_pass
+from semspec.tasks.evaluate.stats import bootstrap_pass
 
 LONG_REPEATS = 16  # the long prompt: CONTEXT this many times (about 600 tokens), where attention weighs
 CONTEXT = "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. How much does Tom spend in total?"

@@ -11,7 +11,8 @@ import time
 
 from semspec.models.lm import load_lm
 from semspec.models.project.pairs import load_pair
-from semspec.tasks.data import build_prefixes, generate_arith, split_steps
+from semspec.models.spec.steps import split_steps
+from semspec.tasks.data import build_prefixes, generate_arith
 
 
 def main() -> None:

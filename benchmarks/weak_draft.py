@@ -152,8 +152,10 @@ def probe_pipeline(common: list[str], data: Path, reports: Path, settings: list[
 
 
 FLOOR, MIN_P = "+floor", "+p"  # suffixes of a probe set evaluated under a floor chosen on validation
-RULES = {FLOOR: "evaluate.decode.min_ratio=auto", MIN_P: "evaluate.decode.min_p=auto"}  # suffix -> its setting
-HANDOVER = "+h"  # +hN: under evaluate.decode.max_rejections=N, with Random beside all (does the probe matter?)
+# suffix -> its setting
+RULES = {FLOOR: "evaluate.decode.min_ratio=auto", MIN_P: "evaluate.decode.min_p=auto"}
+# +hN: under evaluate.decode.max_rejections=N, with Random beside all (does the probe matter?)
+HANDOVER = "+h"
 TOKENS = "+t"  # +tP: under evaluate.decode.min_token_p=P (the target's token check), with Random beside all
 
 
@@ -271,7 +273,7 @@ def evidence(folder: Path) -> dict[str, dict[str, Any]]:
     """Per method label of one evaluation (every benchmark pooled, each problem once): pass@1 and its 95%
     interval, the paired differences to ``target`` and to ``draft`` with theirs, the speed-up by latency
     against the target of the same run, the target's share of tokens and the step acceptance."""
-    from semspec.tasks.eval_stats import summarize_rows
+    from semspec.tasks.evaluate.stats import summarize_rows
 
     rows: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(folder.glob("*/*.jsonl")):

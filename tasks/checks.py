@@ -42,7 +42,8 @@ def model_check(role: str, spec: ModelSpec, tokens: int) -> Iterator[str]:
 def data_check(data_dir: str | None) -> tuple[list[str], list[str]]:
     """The row count of every data set (local folder or the Hub) and of the generated arithmetic splits,
     and one error line per set that could not be read."""
-    from semspec.tasks.data import LOADERS, generate_arith
+    from semspec.tasks.data import generate_arith
+    from semspec.tasks.sources import LOADERS
 
     lines, errors = [], []
     for name, loader in LOADERS.items():

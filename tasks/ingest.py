@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
@@ -16,17 +18,10 @@ from semspec.models.lm.pair import PairConfig
 from semspec.models.spec.settings import DecodeSettings
 from semspec.models.spec.steps import joiner, split_steps
 from semspec.tasks.config import IngestConfig, Params
-from semspec.tasks.data import (
-    MAX_STEPS,
-    SOURCE_FILES,
-    Problem,
-    build_prefixes,
-    generate_arith,
-    load_source,
-    resolve_data_dir,
-)
+from semspec.tasks.data import MAX_STEPS, Problem, build_prefixes, generate_arith
 from semspec.tasks.decoders import build_decoder
 from semspec.tasks.io import file_md5, write_parquet_atomic
+from semspec.tasks.sources import SOURCE_FILES, load_source, resolve_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +130,28 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM |
     with ``generate_traces``, loaded on demand) writes the traces the data does not give; the
     ``semanticspec`` author decodes with both models and the registered probes (``semanticspec_writer``)."""
     authors = cfg.trace_authors()
-    split = pair.target.split
-    after = joiner(split, pair.target.delimiter)  # what follows each step of a context
     problems = select_problems(cfg)
-    # the first author's prefixes are drawn and named as when it writes alone; the others' apart
-    rngs = {a: random.Random(cfg.seed if i == 0 else f"{cfg.seed}:{a}") for i, a in enumerate(authors)}
+    rows, counts = prefix_rows(cfg, pair, problems, authors, trace_writer(cfg, pair, writer))
+    if not rows:
+        raise ValueError(f"ingest produced no prefixes from {len(problems)} question(s)")
+    log.info(
+        "ingest: %d prefixes from %d questions x %d author(s) (%d traces generated, %d chains of %d+ steps "
+        "dropped, %d empty)",
+        len(rows),
+        len(problems),
+        len(authors),
+        counts["generated"],
+        counts["too_long"],
+        MAX_STEPS,
+        counts["no_chain"],
+    )
+    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=PREFIX_SCHEMA), out_path)
+
+
+def trace_writer(cfg: IngestConfig, pair: PairConfig, writer: LM | None = None) -> Callable[[str, str], str]:
+    """A function (model, question) -> the chain that model writes within ``trace_max_tokens``: a role's
+    greedy trace (``write_trace``; the role's model, or ``writer`` when given, loaded on first use and kept),
+    or for ``semanticspec`` the SemanticSpec decoder's chain (built on first use, with both models)."""
     writers: dict[str, LM] = {}
     decoded: list[Callable[[str], str]] = []  # the semanticspec author's writer, built on first use
 
@@ -156,20 +168,31 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM |
             return decoded[0](question)
         return write_trace(lm(model), question, cfg.trace_max_tokens)
 
-    rows, too_long, no_chain, generated = [], 0, 0, 0
+    return write
+
+
+def prefix_rows(
+    cfg: IngestConfig,
+    pair: PairConfig,
+    problems: list[Problem],
+    authors: list[str],
+    write: Callable[[str, str], str],
+) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """The prefix rows of every question's chain by every author, and the counts the stage logs: traces
+    ``generated``, chains dropped as ``too_long`` (``MAX_STEPS`` steps or more) and ``no_chain`` (empty)."""
+    split = pair.target.split
+    after = joiner(split, pair.target.delimiter)  # what follows each step of a context
+    # the first author's prefixes are drawn and named as when it writes alone; the others' apart
+    rngs = {a: random.Random(cfg.seed if i == 0 else f"{cfg.seed}:{a}") for i, a in enumerate(authors)}
+    rows: list[dict[str, Any]] = []
+    counts: Counter[str] = Counter()
     for prob in tqdm(problems, desc="ingest", unit="question"):
         for author in authors:
-            model = author if author != "data" else ("target" if cfg.generate_traces else None)
-            chain = prob.trace if author == "data" else None
-            if chain is None and model is not None:
-                chain = write(model, prob.question)
-                generated += 1
-            steps = split_steps(chain or "", split)
-            if not steps and author == "data":  # a model's empty chain is not the solution's
-                steps = split_steps(prob.solution, split)
+            steps, generated = _chain_steps(cfg, prob, author, split, write)
+            counts["generated"] += generated
             if not steps or len(steps) >= MAX_STEPS:
-                no_chain += not steps
-                too_long += bool(steps)
+                counts["no_chain"] += not steps
+                counts["too_long"] += bool(steps)
                 continue
             chain_id = "" if author == authors[0] else author
             prefixes = build_prefixes(  # another author's k = 0 is the question alone: the first one's
@@ -182,20 +205,25 @@ def run_ingest(cfg: IngestConfig, pair: PairConfig, out_path: Path, writer: LM |
                 first=int(bool(chain_id)),
             )
             rows.extend(asdict(p) for p in prefixes)
-    if not rows:
-        raise ValueError(f"ingest produced no prefixes from {len(problems)} question(s)")
-    log.info(
-        "ingest: %d prefixes from %d questions x %d author(s) (%d traces generated, %d chains of %d+ steps "
-        "dropped, %d empty)",
-        len(rows),
-        len(problems),
-        len(authors),
-        generated,
-        too_long,
-        MAX_STEPS,
-        no_chain,
-    )
-    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=PREFIX_SCHEMA), out_path)
+    return rows, counts
+
+
+def _chain_steps(
+    cfg: IngestConfig, prob: Problem, author: str, split: str, write: Callable[[str, str], str]
+) -> tuple[list[str], bool]:
+    """The steps of ``author``'s chain for one question, and whether a model wrote it now: ``data`` gives the
+    data's trace (written by the target with ``generate_traces`` where there is none), else the reference
+    solution's steps; any other author writes its chain."""
+    model = author if author != "data" else ("target" if cfg.generate_traces else None)
+    chain = prob.trace if author == "data" else None
+    generated = False
+    if chain is None and model is not None:
+        chain = write(model, prob.question)
+        generated = True
+    steps = split_steps(chain or "", split)
+    if not steps and author == "data":  # a model's empty chain is not the solution's
+        steps = split_steps(prob.solution, split)
+    return steps, generated
 
 
 def stage(*, params: Params, pair: PairConfig, out: Path) -> str:

@@ -47,7 +47,8 @@ def champion_status(pair: str, roles: list[str], variants: list[str], expected: 
 def evaluation_status(params: Any, pair: Any, metrics: Path) -> str | None:
     """None when ``metrics`` records a finished evaluation (the evaluate stage writes it last) of the
     current champion probes with the current settings; else why the evaluation must run again."""
-    from semspec.tasks.eval_runs import RUN_KEY, evaluation_identity  # heavy: only when probes are current
+    # heavy: only when probes are current
+    from semspec.tasks.evaluate.runs import RUN_KEY, evaluation_identity
 
     if not metrics.is_file():
         return f"{NOT_EVALUATED}: no finished evaluation ({metrics})"

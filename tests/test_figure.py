@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _metrics(path: Path) -> Path:
-    """A summary in the evaluate stage's schema (tasks/evaluate.py): benchmarks, _overall, _models."""
+    """A summary in the evaluate stage's schema (tasks/evaluate/): benchmarks, _overall, _models."""
     methods = {
         "target": {"pass@1": 0.5, "pass@1_ci95": [0.3, 0.7], "cost_s": 10.0, "latency_s": 12.0},
         "semanticspec-all": {"pass@1": 0.45, "pass@1_ci95": None, "cost_s": 6.0, "latency_s": 7.0},

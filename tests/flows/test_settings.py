@@ -15,7 +15,7 @@ import semspec.models.project.pairs as project
 import semspec.tasks.bench as bench
 import semspec.tasks.config as config
 import semspec.tasks.decoders as decoders
-import semspec.tasks.eval_workers as eval_workers
+import semspec.tasks.evaluate.workers as eval_workers
 from semspec.flows.cli import app
 from semspec.flows.pipeline import SMOKE_TOKENS, smoke_settings
 from semspec.models.spec.settings import DecodeSettings

@@ -140,7 +140,7 @@ def test_grade_completion_and_bare_answers():
 
 
 def test_every_math500_reference_solution_grades_correct(data_dir):
-    from semspec.tasks.data import load_math500
+    from semspec.tasks.sources import load_math500
 
     problems = load_math500(data_dir=data_dir).problems
     assert len(problems) == 500

@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 
 from semspec.models.spec.steps import split_steps
 from semspec.tasks import data as D
+from semspec.tasks import sources as S
 
 EXPECTED = {"s1k": 1000, "math500": 500, "aime24": 30, "amc23": 40, "gpqa": 198}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_every_loader_reads_the_local_copy(data_dir, name):
-    rep = D.LOADERS[name](data_dir=data_dir)
+    rep = S.LOADERS[name](data_dir=data_dir)
     assert len(rep) == EXPECTED[name] and not rep.skipped
     ids = [p.question_id for p in rep.problems]
     assert len(set(ids)) == len(ids), "question ids must be unique"
@@ -31,15 +32,15 @@ def test_every_loader_reads_the_local_copy(data_dir, name):
 
 
 def test_numeric_answers_are_normalised(data_dir):
-    amc = D.load_amc23(data_dir=data_dir).problems
+    amc = S.load_amc23(data_dir=data_dir).problems
     assert all(not a.answer.endswith(".0") for a in amc)
-    aime = D.load_aime24(data_dir=data_dir).problems
+    aime = S.load_aime24(data_dir=data_dir).problems
     assert all(a.answer.isdigit() for a in aime)
 
 
 def test_gpqa_shuffles_choices_with_a_fixed_seed(data_dir):
-    a = D.load_gpqa(data_dir=data_dir).problems
-    b = D.load_gpqa(data_dir=data_dir).problems
+    a = S.load_gpqa(data_dir=data_dir).problems
+    b = S.load_gpqa(data_dir=data_dir).problems
     assert [p.answer for p in a] == [p.answer for p in b]
     letters = {p.answer for p in a}
     assert letters == set("ABCD"), "correct answers should not all share one letter after shuffling"
@@ -54,9 +55,9 @@ def test_gpqa_letter_points_at_the_correct_answer():
         "Record ID": "r1",
         **{f"Incorrect Answer {k}": f"wrong{k}" for k in (1, 2, 3)},
     }
-    p = D.gpqa_problem(1, row)
+    p = S.gpqa_problem(1, row)
     assert p.choices["ABCD".index(p.answer)] == "right"
-    letters = {D.gpqa_problem(1, {**row, "Record ID": f"r{i}"}).answer for i in range(40)}
+    letters = {S.gpqa_problem(1, {**row, "Record ID": f"r{i}"}).answer for i in range(40)}
     assert len(letters) == 4
 
 
@@ -64,13 +65,13 @@ def test_gpqa_bad_zip_is_a_clear_error(tmp_path):
     (tmp_path / "gpqa").mkdir()
     (tmp_path / "gpqa" / "gpqa_diamond.zip").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not a zip"):
-        D.load_gpqa(data_dir=tmp_path)
+        S.load_gpqa(data_dir=tmp_path)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("readme.txt", "no csv")
     (tmp_path / "gpqa" / "gpqa_diamond.zip").write_bytes(buf.getvalue())
     with pytest.raises(ValueError, match="no CSV"):
-        D.load_gpqa(data_dir=tmp_path)
+        S.load_gpqa(data_dir=tmp_path)
 
 
 def _write_math(tmp_path, lines: list[bytes]):
@@ -95,27 +96,27 @@ GOOD = json.dumps({"problem": "1+1?", "answer": "2", "unique_id": "a"}).encode()
 def test_bad_rows_raise_naming_file_and_line(tmp_path, bad, msg):
     f = _write_math(tmp_path, [GOOD, bad, GOOD.replace(b'"a"', b'"c"')])
     with pytest.raises(ValueError, match=re.escape(f"{f}:2: ") + ".*" + re.escape(msg)):
-        D.load_math500(data_dir=tmp_path)
-    rep = D.load_math500(data_dir=tmp_path, on_error="skip")
+        S.load_math500(data_dir=tmp_path)
+    rep = S.load_math500(data_dir=tmp_path, on_error="skip")
     assert len(rep) == 2 and len(rep.skipped) == 1 and rep.skipped[0].startswith(f"{f}:2:")
 
 
 def test_empty_and_missing_files(tmp_path):
     _write_math(tmp_path, [b"", b"  "])
     with pytest.raises(ValueError, match="empty"):
-        D.load_math500(data_dir=tmp_path)
+        S.load_math500(data_dir=tmp_path)
     with pytest.raises(ValueError, match="file not found"):
-        D.load_aime24(data_dir=tmp_path)
+        S.load_aime24(data_dir=tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
-        D.load_aime24(data_dir=tmp_path / "nope")
+        S.load_aime24(data_dir=tmp_path / "nope")
     with pytest.raises(ValueError, match="on_error"):
-        D.load_math500(data_dir=tmp_path, on_error="ignore")
+        S.load_math500(data_dir=tmp_path, on_error="ignore")
 
 
 def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path):
     _write_math(tmp_path, [b"{", b"}"])
     with pytest.raises(ValueError, match="no usable rows"):
-        D.load_math500(data_dir=tmp_path, on_error="skip")
+        S.load_math500(data_dir=tmp_path, on_error="skip")
 
 
 def test_s1k_uses_trace_and_cot_type_when_present(tmp_path):
@@ -131,7 +132,7 @@ def test_s1k_uses_trace_and_cot_type_when_present(tmp_path):
         {"question": "q3", "solution": "plain"},
     ]
     (tmp_path / "s1k" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    p = D.load_s1k(data_dir=tmp_path).problems
+    p = S.load_s1k(data_dir=tmp_path).problems
     assert (p[0].domain, p[0].trace, p[0].answer) == ("math", "a\n\nb", "3")
     assert (p[1].domain, p[1].trace) == ("unknown", "c\n\nd")
     assert p[2].trace is None

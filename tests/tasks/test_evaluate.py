@@ -12,8 +12,8 @@ from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.results import DecodeResult, StepRecord
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.data import Problem
-from semspec.tasks.eval_stats import bootstrap_pass, problem_row, summarize_rows
 from semspec.tasks.evaluate import run_evaluate
+from semspec.tasks.evaluate.stats import bootstrap_pass, problem_row, summarize_rows
 from tests.helpers.tiny import tiny_lm
 
 
@@ -266,7 +266,7 @@ def test_evaluate_spreads_problems_over_two_ray_actors(tmp_path, monkeypatch):
 
 
 def test_evaluate_decodes_with_the_configured_top_p():
-    from semspec.tasks.eval_workers import method_decoders
+    from semspec.tasks.evaluate.workers import method_decoders
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "draft"], temperature=0.7, top_p=0.8)
@@ -278,7 +278,7 @@ def test_evaluate_decodes_with_the_configured_top_p():
 
 def test_every_method_has_its_own_fixed_colour():
     from semspec.models.spec.names import METHODS, PROBE_METHOD, PROBE_VARIANTS, method_label
-    from semspec.tasks.eval_plots import method_style
+    from semspec.tasks.evaluate.plots import method_style
 
     labels = [m for m in METHODS if m != PROBE_METHOD] + [
         method_label(PROBE_METHOD, v) for v in PROBE_VARIANTS

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from semspec.models.spec.judges import Clustering, Judge
-from semspec.tasks.cluster import label_joint
 from semspec.tasks.config import ClusterConfig
+from semspec.tasks.labelling import label_joint
 
 
 class ByFirstWord(Judge):

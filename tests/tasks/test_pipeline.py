@@ -16,11 +16,12 @@ import yaml
 
 from semspec.models.lm import load_lm
 from semspec.models.spec.judges import EmbeddingJudge
-from semspec.tasks.cluster import inject_noise, label_prefix, run_cluster
+from semspec.tasks.cluster import run_cluster
 from semspec.tasks.config import ClusterConfig, load_params
 from semspec.tasks.cross import run_cross
 from semspec.tasks.ingest import run_ingest
 from semspec.tasks.io import read_shards
+from semspec.tasks.labelling import inject_noise, label_prefix
 from semspec.tasks.sample import run_sample
 from semspec.tasks.train.data import split_by_question
 from tests.helpers.pipeline import write_tiny_pair
@@ -462,7 +463,7 @@ def test_evaluate_writes_rows_metrics_and_plots(stages, trained):
 
     import mlflow
 
-    from semspec.tasks.eval_tracking import LiveRuns
+    from semspec.tasks.evaluate.tracking import LiveRuns
 
     seen, real_done = [], LiveRuns.problem_done
 

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.weak_draft import by_depth, by_kept, print_curve, share_baselines
 from semspec.tasks.config import load_params
-from semspec.tasks.eval_runs import resume_rows, run_key
+from semspec.tasks.evaluate.runs import resume_rows, run_key
 from tests.helpers.pipeline import write_tiny_pair
 
 
@@ -42,7 +42,12 @@ def test_the_baselines_are_shared_and_resumed_but_no_probe_method(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "rule", ["evaluate.decode.min_ratio=auto", "evaluate.decode.max_rejections=1", "evaluate.decode.min_token_p=0.01"]
+    "rule",
+    [
+        "evaluate.decode.min_ratio=auto",
+        "evaluate.decode.max_rejections=1",
+        "evaluate.decode.min_token_p=0.01",
+    ],
 )
 def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path, rule):
     """``evaluate.decode.min_ratio`` and ``max_rejections`` are read by SemanticSpec alone: the baselines' rows

@@ -7,7 +7,8 @@ import logging
 import random
 
 from semspec.tasks.config import EvaluateConfig
-from semspec.tasks.data import Problem, generate_arith, load_source
+from semspec.tasks.data import Problem, generate_arith
+from semspec.tasks.sources import load_source
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,10 @@ across two vocabularies) is listed under ``_skipped_methods`` with the reason.
 
 The stage resumes per problem: a row already in ``<method>.jsonl`` with the same run key (evaluation
 settings, pair file, probe versions) is kept and not decoded again; rows with another key are dropped.
+
+This module holds the stage and the run; beside it: ``problems`` (which problems are decoded), ``workers``
+(where: one replica of the pair per worker, in-process or Ray actors), ``runs`` (run keys and resuming),
+``stats`` (the per-problem rows and the summary's statistics), ``plots`` and ``tracking`` (MLflow).
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from semspec.models.spec.names import PROBE_METHOD
 from semspec.models.spec.results import DecodeResult
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.data import Problem
-from semspec.tasks.eval_plots import write_plots
-from semspec.tasks.eval_problems import load_problems
-from semspec.tasks.eval_runs import RUN_KEY, evaluation_identity, resume_rows, run_key
-from semspec.tasks.eval_stats import overall_metrics, problem_row, summarize_rows
-from semspec.tasks.eval_tracking import LiveRuns, log_to_mlflow
-from semspec.tasks.eval_workers import Pool, Turn, make_pool
+from semspec.tasks.evaluate.plots import write_plots
+from semspec.tasks.evaluate.problems import load_problems
+from semspec.tasks.evaluate.runs import RUN_KEY, evaluation_identity, resume_rows, run_key
+from semspec.tasks.evaluate.stats import overall_metrics, problem_row, summarize_rows
+from semspec.tasks.evaluate.tracking import LiveRuns, log_to_mlflow
+from semspec.tasks.evaluate.workers import Pool, Turn, make_pool
 from semspec.tasks.io import write_json_atomic
 from semspec.tasks.probe_registry import check_tracking, read_pointers
 
