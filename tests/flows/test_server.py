@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from semspec.engine import Engine, Overloaded, Request
-from semspec.flows.server import ServeConfig, is_loopback, parse_spec_max_batch
+from semspec.flows.serve.app import ServeConfig, is_loopback, parse_spec_max_batch
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"
@@ -316,7 +316,7 @@ def test_a_tiny_temperature_decodes_greedily_instead_of_overflowing(server, spec
 def test_an_undeclared_method_is_405_with_allow():
     from fastapi.testclient import TestClient
 
-    from semspec.flows.server import create_app
+    from semspec.flows.serve.app import create_app
 
     with TestClient(create_app(TinySpec(), ServeConfig())) as client:
         r = client.request("TRACE", "/v1/models")

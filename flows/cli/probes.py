@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from semspec.flows.cli_common import PairOpt, default_pair, or_exit
+from semspec.flows.cli.common import PairOpt, default_pair, or_exit
 
 probes_app = typer.Typer(
     help="Probes that travel: a folder of safetensors probes and a JSON card (semspec-probes.json).",

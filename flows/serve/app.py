@@ -43,7 +43,7 @@ from semspec.flows.openai_schema import (
     Usage,
     ok_responses,
 )
-from semspec.flows.serve_metrics import ServeMetrics
+from semspec.flows.serve.metrics import ServeMetrics
 from semspec.models.lm import RawPrompt, check_messages
 from semspec.models.project.settings import HOST
 from semspec.models.spec.results import DecodeResult
@@ -428,7 +428,7 @@ def run_server(
     """Load the pair (every check first, then the models, once) and serve it until interrupted: in this
     process with uvicorn, or with ``replicas`` >= 1 as that many Ray Serve replicas of the same app."""
     if replicas:
-        from semspec.flows.serve_ray import serve_replicas
+        from semspec.flows.serve.replicas import serve_replicas
 
         serve_replicas(pair, probes, probe, cfg, replicas)
         return

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from semspec.flows.cli_common import PairOpt, ProfileOpt, default_pair, or_exit
-from semspec.flows.cli_probes import probes_app
+from semspec.flows.cli.common import PairOpt, ProfileOpt, default_pair, or_exit
+from semspec.flows.cli.probes import probes_app
 from semspec.models.spec.names import ROLES
 
 models_app = typer.Typer(help="Inspect model pairs.", no_args_is_help=True)

@@ -12,7 +12,7 @@ import logging
 from fastapi import FastAPI
 from ray import serve
 
-from semspec.flows.server import ServeConfig, create_app
+from semspec.flows.serve.app import ServeConfig, create_app
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from semspec.flows.cli_common import PairOverride, ParamsOpt, ProfileOpt, SetOpt, or_exit
+from semspec.flows.cli.common import PairOverride, ParamsOpt, ProfileOpt, SetOpt, or_exit
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Each command parses its options and calls a stage or task function. The commands import the project's
 modules when they run, not at the top: ``semspec --help``, ``semspec env`` and the service commands must not
-pay for torch, transformers and MLflow (seconds). The stage commands are in ``cli_stages``, the command
-groups (models, data, judge, services, pairs) in ``cli_groups``.
+pay for torch, transformers and MLflow (seconds). The stage commands are in ``stages``, the command
+groups (models, data, judge, services, pairs) in ``groups``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Annotated
 
 import typer
 
-from semspec.flows.cli_common import PairOpt, PairOverride, ProfileOpt, or_exit
-from semspec.flows.cli_groups import GROUPS
-from semspec.flows.cli_stages import add_stage_commands
+from semspec.flows.cli.common import PairOpt, PairOverride, ProfileOpt, or_exit
+from semspec.flows.cli.groups import GROUPS
+from semspec.flows.cli.stages import add_stage_commands
 
 app = typer.Typer(
     help="SemanticSpec: semantic-aware speculative decoding for reasoning LLMs, with its probe pipeline.",
@@ -280,7 +280,7 @@ def serve(
 ) -> None:
     """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics); concurrent requests are decoded together."""
-    from semspec.flows.server import ServeConfig, parse_spec_max_batch, run_server
+    from semspec.flows.serve.app import ServeConfig, parse_spec_max_batch, run_server
 
     cfg = or_exit(
         lambda: ServeConfig(
@@ -385,7 +385,3 @@ def report(pair: PairOverride = None, profile: ProfileOpt = None) -> None:
 def main() -> None:
     """Console-script entry point."""
     app()
-
-
-if __name__ == "__main__":
-    main()
