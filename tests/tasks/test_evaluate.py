@@ -10,6 +10,7 @@ import pytest
 from semspec.models.lm.pair import ModelSpec, PairConfig
 from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.results import DecodeResult, StepRecord
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.data import Problem
 from semspec.tasks.evaluate import run_evaluate
@@ -91,7 +92,9 @@ def _pair() -> PairConfig:
 
 def test_specsampling_is_skipped_across_vocabularies_with_the_reason(tmp_path):
     lms = {"draft": tiny_lm(merged=True, max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
-    cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "specsampling"], max_new_tokens=8)
+    cfg = EvaluateConfig(
+        benchmarks={"arith": 1}, methods=["target", "specsampling"], decode=DecodeSettings(max_new_tokens=8)
+    )
     res = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
     assert list(res["arith"]) == ["target"]
     assert "different tokenizers" in res["_skipped_methods"]["specsampling"]
@@ -102,7 +105,9 @@ def test_specsampling_is_skipped_across_vocabularies_with_the_reason(tmp_path):
 def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     cfg = EvaluateConfig(
-        benchmarks={"arith": 3}, methods=["target", "draft", "specsampling"], max_new_tokens=8
+        benchmarks={"arith": 3},
+        methods=["target", "draft", "specsampling"],
+        decode=DecodeSettings(max_new_tokens=8),
     )
     first = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
     spec = first["arith"]["specsampling"]  # one vocabulary: the Leviathan decoder runs
@@ -129,7 +134,9 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
     assert again["arith"]["draft"]["pass@1"] == first["arith"]["draft"]["pass@1"]
     # other settings: the old rows are stale and every problem is decoded again
     calls.clear()
-    cfg2 = EvaluateConfig(benchmarks={"arith": 3}, methods=["target", "draft"], max_new_tokens=6)
+    cfg2 = EvaluateConfig(
+        benchmarks={"arith": 3}, methods=["target", "draft"], decode=DecodeSettings(max_new_tokens=6)
+    )
     run_evaluate(cfg2, _pair(), tmp_path, lms=lms, log_mlflow=False)
     assert sorted(calls) == ["draft"] * 3 + ["target"] * 3
     keys = {json.loads(line)["run_key"] for line in path.read_text().splitlines()}
@@ -137,7 +144,6 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
 
 
 def test_bench_runs_token_speculation_or_says_why_not():
-    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks.bench import format_bench, run_bench
 
     settings = DecodeSettings(max_new_tokens=8, step_tokens=4)
@@ -157,7 +163,6 @@ def test_bench_runs_semanticspec_with_each_gamma_in_the_same_run(monkeypatch):
     and the table stays aligned with the longer labels."""
     import semspec.tasks.bench as bench_task
     from semspec.models.spec.semanticspec import SemanticSpecDecoder
-    from semspec.models.spec.settings import DecodeSettings
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
     real = bench_task.build_decoder
@@ -193,7 +198,10 @@ def test_evaluate_in_batches_writes_the_same_answers(tmp_path):
     texts = {}
     for batch_size in (1, 2):
         cfg = EvaluateConfig(
-            benchmarks={"arith": 5}, methods=["target", "draft"], max_new_tokens=12, batch_size=batch_size
+            benchmarks={"arith": 5},
+            methods=["target", "draft"],
+            decode=DecodeSettings(max_new_tokens=12),
+            batch_size=batch_size,
         )
         out = tmp_path / str(batch_size)
         run_evaluate(cfg, _pair(), out, lms=lms, log_mlflow=False)
@@ -208,7 +216,6 @@ def test_evaluate_in_batches_writes_the_same_answers(tmp_path):
 
 def test_batch_bench_reports_each_batch_size_beside_the_target(monkeypatch):
     from semspec.models.spec.semanticspec import SemanticSpecDecoder
-    from semspec.models.spec.settings import DecodeSettings
     from semspec.tasks import bench
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
@@ -249,7 +256,7 @@ def test_evaluate_spreads_problems_over_two_ray_actors(tmp_path, monkeypatch):
     common = {
         "benchmarks": {"arith": 6},
         "methods": ["target", "draft"],
-        "max_new_tokens": 8,
+        "decode": DecodeSettings(max_new_tokens=8),
         "batch_size": 2,
     }
     out = {}
@@ -269,11 +276,15 @@ def test_evaluate_decodes_with_the_configured_top_p():
     from semspec.tasks.evaluate.workers import method_decoders
 
     lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
-    cfg = EvaluateConfig(benchmarks={"arith": 1}, methods=["target", "draft"], temperature=0.7, top_p=0.8)
+    cfg = EvaluateConfig(
+        benchmarks={"arith": 1},
+        methods=["target", "draft"],
+        decode=DecodeSettings(temperature=0.7, top_p=0.8),
+    )
     decoders, _ = method_decoders(cfg, _pair(), lms, "arith", 0)
     assert {(d.settings.temperature, d.settings.top_p) for d in decoders.values()} == {(0.7, 0.8)}
     with pytest.raises(ValueError, match="top_p"):
-        EvaluateConfig(top_p=0.0)
+        EvaluateConfig(decode={"top_p": 0.0})
 
 
 def test_every_method_has_its_own_fixed_colour():

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from semspec.models.spec.batching import SingleModelDecoder
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.evaluate import run_evaluate
 from tests.helpers.pipeline import write_tiny_pair
@@ -25,10 +26,11 @@ EVALUATE_SCRIPT = """
 import sys
 from pathlib import Path
 from semspec.models.project.pairs import load_pair
+from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.evaluate import run_evaluate
 tmp = Path(sys.argv[1])
-cfg = EvaluateConfig(benchmarks={"arith": 12}, methods=["target"], max_new_tokens=48, batch_size=2)
+cfg = EvaluateConfig(benchmarks={"arith": 12}, methods=["target"], decode=DecodeSettings(max_new_tokens=48), batch_size=2)
 run_evaluate(cfg, load_pair(tmp / "tiny.yaml"), tmp / "eval", log_mlflow=False)
 """
 
@@ -49,7 +51,9 @@ def test_evaluate_resumes_after_a_kill_and_redoes_only_the_lost_problems(tmp_pat
         return real(self, questions, *args, **kw)
 
     monkeypatch.setattr(SingleModelDecoder, "decode_batch", counted)
-    cfg = EvaluateConfig(benchmarks={"arith": 12}, methods=["target"], max_new_tokens=48, batch_size=2)
+    cfg = EvaluateConfig(
+        benchmarks={"arith": 12}, methods=["target"], decode=DecodeSettings(max_new_tokens=48), batch_size=2
+    )
     out = run_evaluate(cfg, pair, tmp_path / "eval", log_mlflow=False)
     after = rows.read_text().splitlines()
     assert after[: len(before)] == before, "finished rows are kept as they were"
