@@ -11,7 +11,7 @@ target's lane, and when the batch grows past ``spec_max_batch`` rows, SemanticSp
 target's lane too (each keeps its caches, budget and seed; the target writes the rest of its answer).
 Under load every row then shares one batched decode, as the target alone would run. A full batch is
 compute-bound, and the target's verification then costs more than the draft saves; which batch size
-that is depends on the CPU (``conf/serving.yaml``, ``semspec.flows.serve.app.auto_spec_max_batch``).
+that is depends on the CPU (``conf/serving.yaml``, ``semspec.flows.serve.config.auto_spec_max_batch``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import logging
 from fastapi import FastAPI
 from ray import serve
 
-from semspec.flows.serve.app import ServeConfig, create_app
+from semspec.flows.serve.app import create_app
+from semspec.flows.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 

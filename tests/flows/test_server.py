@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from semspec.engine import Engine, Overloaded, Request
-from semspec.flows.serve.app import ServeConfig, is_loopback, parse_spec_max_batch
+from semspec.flows.serve.config import ServeConfig, is_loopback, parse_spec_max_batch
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"

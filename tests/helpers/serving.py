@@ -13,7 +13,8 @@ import httpx
 import uvicorn
 
 from semspec.api import SemanticSpec
-from semspec.flows.serve.app import ServeConfig, create_app
+from semspec.flows.serve.app import create_app
+from semspec.flows.serve.config import ServeConfig
 from semspec.models.lm import LM
 from semspec.models.lm.pair import PairConfig
 from semspec.models.project.probe_card import (

@@ -1,0 +1,79 @@
+"""How ``semspec serve`` runs: :class:`ServeConfig`, checked before any model loads, and the threshold up to
+which SemanticSpec speculates (``--spec-max-batch``: measured per CPU kind in ``conf/serving.yaml``)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from semspec.models.project.settings import HOST
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server runs; checked before any model loads."""
+
+    host: str = HOST  # loopback by default; another address needs an api_key
+    port: int = 8000
+    api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
+    max_batch: int = 8  # rows decoded at once
+    max_queue: int = 64  # requests that may wait for a row; one more is answered 429
+    spec_max_batch: int | None = None  # SemanticSpec speculates while at most this many are in flight
+    max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
+    default_max_tokens: int | None = None  # a request without max_tokens (None: the evaluation's budget)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be 1-65535, got {self.port}")
+        if self.max_batch < 1 or self.max_queue < 0 or self.max_tokens_limit < 1:
+            raise ValueError("max_batch and max_tokens_limit must be >= 1, max_queue >= 0")
+        if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens must be in 1..{self.max_tokens_limit}")
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"--host {self.host} exposes the server beyond this machine: give --api-key KEY (clients "
+                f"send it as 'Authorization: Bearer KEY'), or keep the default --host {HOST}"
+            )
+
+
+def cpu_kind() -> str:
+    """``amx``, ``avx512_bf16`` or ``avx2``: the kinds whose serving threshold differs."""
+    from semspec.models.cpu.formats import cpu_info
+
+    cpu = cpu_info()
+    return "amx" if cpu.amx else ("avx512_bf16" if cpu.native_bf16 else "avx2")
+
+
+def auto_spec_max_batch(kind: str | None = None) -> int:
+    """The serving threshold measured for this CPU kind (``conf/serving.yaml``)."""
+    import yaml
+
+    from semspec.models.project.pairs import project_root
+
+    path = project_root() / "conf" / "serving.yaml"
+    table = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("spec_max_batch", {})
+    kind = kind or cpu_kind()
+    if kind not in table:
+        raise ValueError(f"{path}: no spec_max_batch for the CPU kind {kind!r}; add it, or pass a number")
+    return int(table[kind])
+
+
+def parse_spec_max_batch(value: str) -> int | None:
+    """``auto`` (this CPU kind's measured threshold), ``always`` (never switch off) or a count >= 0."""
+    if value == "auto":
+        return auto_spec_max_batch()
+    if value == "always":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"--spec-max-batch must be auto, always or a count >= 0, got {value!r}")
+    return int(value)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only reaches this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,247 @@
+"""The endpoints of ``semspec serve`` (``flows.serve.app.create_app`` builds the app around them).
+
+The handlers are module-level functions on an ``APIRouter``; what one app serves (the loaded pair, its
+engine and metrics, the limits) is a :class:`Served` in ``request.app.state.served``, so several apps (tests,
+Ray Serve replicas) share the code and not the state. A request is checked (model, method, max_tokens), its
+prompt submitted to the engine as a :class:`semspec.engine.Request`, and answered (``replies``) as one JSON
+body or as server-sent events, step by step; failures raise :class:`ApiError`, which the app answers in
+OpenAI's error schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, create_model
+
+from semspec.api import SemanticSpec
+from semspec.engine import Engine, Overloaded, Stopped
+from semspec.engine import Request as Job
+from semspec.flows.openai_schema import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ok_responses,
+)
+from semspec.flows.serve.metrics import ServeMetrics
+from semspec.flows.serve.replies import ApiError, Reply, completion_body, stream_events
+from semspec.models.lm import RawPrompt, check_messages
+from semspec.models.spec.results import DecodeResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one app serves, as its handlers read it from ``request.app.state.served``."""
+
+    spec: SemanticSpec  # the loaded pair and probes
+    engine: Engine  # decodes the requests together (continuous batching)
+    metrics: ServeMetrics
+    created: int  # when the app was built (the model card's ``created``)
+    default_tokens: int  # max_tokens of a request that gives none
+    max_tokens_limit: int  # the largest max_tokens a request may ask for
+    spec_max_batch: int | None  # SemanticSpec speculates while at most this many are in flight
+
+    @property
+    def model_id(self) -> str:
+        """The served pair's name: the one model of /v1/models."""
+        return self.spec.pair.name
+
+
+def bounded_requests(limit: int) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
+    """The request models with ``max_tokens`` (and ``max_completion_tokens``) capped at ``limit``."""
+    tokens = (Annotated[int, Field(ge=1, le=limit)] | None, None)
+    chat = create_model(
+        "ChatCompletionRequest",
+        __base__=ChatCompletionRequest,
+        max_tokens=tokens,
+        max_completion_tokens=tokens,
+    )
+    completion = create_model("CompletionRequest", __base__=CompletionRequest, max_tokens=tokens)
+    return chat, completion
+
+
+def _check(served: Served, body: ChatCompletionRequest | CompletionRequest, asked: int | None) -> int:
+    """The request's max_tokens, once its model and method are ones this server serves."""
+    if body.model is not None and body.model != served.model_id:
+        raise ApiError(
+            404,
+            f"model {body.model!r} is not served here; GET /v1/models lists {served.model_id!r}",
+            "not_found_error",
+            "model",
+        )
+    if body.method == "semanticspec" and served.spec.probe is None:
+        raise ApiError(400, "this server was started without probes: ask for method 'target'", param="method")
+    max_tokens = asked or served.default_tokens
+    if max_tokens > served.max_tokens_limit:
+        raise ApiError(
+            400,
+            f"max_tokens {max_tokens} is above this server's limit {served.max_tokens_limit}",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, kind: str) -> Response:
+    """Submit the request to the engine; answer when it is decoded, or stream its steps as they come."""
+    loop = asyncio.get_running_loop()
+    steps: asyncio.Queue = asyncio.Queue()
+    defaults = served.spec.defaults
+    job = Job(
+        prompt,
+        body.method,
+        max_tokens,
+        defaults.temperature if body.temperature is None else body.temperature,
+        defaults.top_p if body.top_p is None else body.top_p,
+        body.seed,
+        on_step=(lambda s: loop.call_soon_threadsafe(steps.put_nowait, s)) if body.stream else None,
+    )
+    try:
+        served.engine.submit(job)
+    except Overloaded as e:
+        served.metrics.refused(kind)
+        raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error") from None
+    except Stopped as e:
+        raise ApiError(503, str(e), "server_error") from None
+    try:
+        await asyncio.wrap_future(job.admitted)
+    except ValueError as e:  # the prompt does not fit the context, a bad prompt
+        raise ApiError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+    except Stopped as e:
+        raise ApiError(503, str(e), "server_error") from None
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    reply = Reply(rid, kind, served.model_id, served.spec_max_batch)
+    if body.stream:
+        job.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(steps.put_nowait, None))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(stream_events(reply, job, steps, usage), media_type="text/event-stream")
+    res = await _wait(http, job)
+    return JSONResponse(completion_body(reply, job, res))
+
+
+async def _wait(http: Request, job: Job) -> DecodeResult:
+    """The job's result; a client that disconnects meanwhile takes its row out of the batch."""
+    fut = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({fut}, timeout=0.5)
+        if done:
+            break
+        if await http.is_disconnected():  # its row leaves the batch
+            job.cancel()
+            raise ApiError(499, "client closed the request")
+    try:
+        return fut.result()
+    except Stopped as e:
+        raise ApiError(503, str(e), "server_error") from None
+    except Exception as e:
+        log.exception("request %d failed", job.id)
+        raise ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "server_error") from None
+
+
+async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+    """OpenAI's chat completions; ``method`` picks a baseline, ``semspec`` in the reply is the trace."""
+    served: Served = http.app.state.served
+    max_tokens = _check(served, body, body.max_completion_tokens or body.max_tokens)
+    try:
+        messages = check_messages([{"role": m.role, "content": m.content} for m in body.messages])
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    served.metrics.request("chat")
+    return await _decode(served, http, body, messages, max_tokens, "chat")
+
+
+async def completions(body: CompletionRequest, http: Request) -> Response:
+    """OpenAI's (legacy) completions: the prompt is read as it is, with no chat template."""
+    served: Served = http.app.state.served
+    max_tokens = _check(served, body, body.max_tokens)
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    served.metrics.request("completion")
+    return await _decode(served, http, body, RawPrompt(prompt), max_tokens, "completion")
+
+
+async def models(http: Request) -> ModelList:
+    """The served pair, as the one model."""
+    served: Served = http.app.state.served
+    return ModelList(data=[ModelCard(id=served.model_id, created=served.created)])
+
+
+async def health(http: Request) -> dict[str, Any]:
+    """Liveness and what is served."""
+    served: Served = http.app.state.served
+    return {
+        "status": "ok",
+        "model": served.model_id,
+        "probe": served.spec.probe,
+        "models": {role: lm.describe()["dtype"] for role, lm in served.spec.lms.items()},
+        "running": served.engine.running,
+        "queued": served.engine.queue_depth,
+        "spec_max_batch": served.spec_max_batch,
+    }
+
+
+async def prometheus(http: Request) -> Response:
+    """Prometheus metrics: requests, tokens, step acceptance, target share, queue, latencies."""
+    metrics = http.app.state.served.metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+def _reading(
+    handler: Callable[[Any, Request], Awaitable[Response]], model: type[BaseModel]
+) -> Callable[[Any, Request], Awaitable[Response]]:
+    """``handler`` with its ``body`` read as ``model``: FastAPI validates and documents a request body by
+    the endpoint's signature, and each app has its own max_tokens limit (``bounded_requests``)."""
+
+    @functools.wraps(handler)
+    async def endpoint(body: Any, http: Request) -> Response:
+        return await handler(body, http)
+
+    signature = inspect.signature(handler, eval_str=True)
+    params = [p.replace(annotation=model) if p.name == "body" else p for p in signature.parameters.values()]
+    endpoint.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return endpoint
+
+
+def api_router(max_tokens_limit: int) -> APIRouter:
+    """The endpoints, with the request models capped at ``max_tokens_limit`` (the OpenAPI schema states
+    it; a request above it is answered 400)."""
+    chat_request, completion_request = bounded_requests(max_tokens_limit)
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)
+    }
+    router = APIRouter()
+    router.add_api_route(
+        "/v1/chat/completions",
+        _reading(chat_completions, chat_request),
+        methods=["POST"],
+        responses={**ok_responses(ChatCompletion), **errors},
+    )
+    router.add_api_route(
+        "/v1/completions",
+        _reading(completions, completion_request),
+        methods=["POST"],
+        responses={**ok_responses(Completion), **errors},
+    )
+    router.add_api_route("/v1/models", models, methods=["GET"], response_model=ModelList)
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route(
+        "/metrics",
+        prometheus,
+        methods=["GET"],
+        response_class=Response,
+        responses={200: {"content": {ServeMetrics.content_type: {}}}},
+    )
+    return router
