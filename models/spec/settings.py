@@ -19,7 +19,8 @@ class MethodNotApplicable(ValueError):
 MIN_TEMPERATURE = 1e-3  # a temperature below this decodes greedily
 GAMMA_MAX = 4  # the most steps per round ``gamma_for`` picks
 GAMMA_WHOLE = 0.5  # gamma_for: the longest round accepted whole at least this often
-PER_RUN = ("seed", "benchmark")  # DecodeSettings' fields a run sets (evaluate.seeds, the benchmark), not a config
+# DecodeSettings' fields a run sets (its seed from evaluate.seeds, how its benchmark's answers are read)
+PER_RUN = ("seed", "benchmark")
 
 
 def gamma_for(accept_rate: float | None) -> int:
@@ -103,7 +104,9 @@ class DecodeSettings:
         if not isinstance(self.salvage, bool):
             raise ValueError(f"salvage must be true or false, got {self.salvage!r}")
         if not _number(self.temperature) or not _number(self.top_p):
-            raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, {self.top_p!r}")
+            raise ValueError(
+                f"temperature and top_p must be numbers, got {self.temperature!r}, {self.top_p!r}"
+            )
         if not self.temperature >= 0 or not 0 < self.top_p <= 1:  # NaN fails too
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.temperature < MIN_TEMPERATURE:

@@ -172,7 +172,7 @@ def test_decode_rejects_unknown_method():
         (["--probe", "best", "hi"], "expected one of"),
         (["--probe", "all@x-y", "hi"], "domain 'x-y'"),
         (["--probe", "all@science", "hi"], "semspec-tiny-draft-all-science"),
-        (["--max-new-tokens", "0", "hi"], "max_new_tokens must be >= 1"),
+        (["--max-new-tokens", "0", "hi"], "max_new_tokens must be a count >= 1"),
         (["--method", "semanticspec", "hi"], "no registered probe"),
     ],
 )
@@ -248,7 +248,7 @@ def test_pairs_prune_lists_then_deletes_what_removed_pairs_left(tmp_path, monkey
 
 def test_bench_refuses_a_negative_lookahead():
     res = runner.invoke(app, ["bench", "--lookahead", "-1"])
-    assert res.exit_code == 2 and "--lookahead" in res.output and "must be >= 0" in res.output
+    assert res.exit_code == 2 and "lookahead must be a count >= 0, got -1" in res.output
 
 
 def test_bench_takes_one_gamma_with_batches():
@@ -258,4 +258,4 @@ def test_bench_takes_one_gamma_with_batches():
 
 def test_bench_refuses_a_token_check_that_is_no_probability():
     res = runner.invoke(app, ["bench", "--min-token-p", "2"])
-    assert res.exit_code != 0 and "min_token_p must be None or a probability in (0, 1)" in res.output
+    assert res.exit_code != 0 and "min_token_p must be null or a probability in (0, 1)" in res.output
