@@ -1,7 +1,7 @@
 """Pooling study: ``predict`` vs ``tokens`` hidden-state pooling, trained on the same samples and labels.
 
 The pair's ``pooling`` setting chooses the positions a step's hidden states are averaged over
-(``models/lm.py``): ``predict`` (the last context position and every step token but the last, the
+(``models/lm/``): ``predict`` (the last context position and every step token but the last, the
 default) or ``tokens`` (the step's own tokens, the paper's wording). This study takes a finished
 pipeline's samples and labels (``data/<pair>``), prefills every labelled step after its prefix once per
 role, pools the same forward both ways, and trains the same probe on each feature set over several

@@ -49,10 +49,11 @@ class Request:
     """One prompt to decode, as a client asked for it."""
 
     prompt: Prompt
-    method: str = PROBE_METHOD
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
+    method: str
+    # the caller's values (the server's: the request's, else the params' evaluate.decode): no defaults here
+    max_new_tokens: int
+    temperature: float
+    top_p: float
     seed: int | None = None
     on_step: Callable[[StepRecord], None] | None = None  # called from the engine's thread
     # set by the engine

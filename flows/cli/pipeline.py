@@ -75,7 +75,7 @@ def register(
     then write the train stage's outputs."""
     from semspec.flows.stages import stage_option
     from semspec.tasks.config import load_params
-    from semspec.tasks.train import register_pending
+    from semspec.tasks.train.registry import register_pending
 
     params = or_exit(load_params, None, profile, None)
     name = pair or params.pair

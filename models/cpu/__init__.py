@@ -3,6 +3,6 @@
 ``formats`` picks a model's format for the CPU at hand and quantizes its linear layers; ``int8_kernel``
 and ``int4_kernel`` are the weight-only matrix products, ``attention`` the decode attention and
 ``decode_layer`` a whole decoder layer's decoding call; their C++ sources are in ``csrc/``. Only the LM
-adapter's loading (``models/lm``) imports this package; the algorithm (``models/decoding``, the probes)
-never does.
+adapter's loading (``models/lm``) imports this package; the algorithm (``models/spec``) never
+does.
 """

@@ -51,7 +51,7 @@ FORMATS = (*DENSE_DTYPES, *QUANTIZED, "auto")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of native bfloat16
 INT4_GROUP = 32  # input channels per int4 scale and zero (the kernel takes 32, 64, 128 or 256)
 INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kernel's blocks; PyTorch's op too)
-# calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off the tables above
+# calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off docs/formats.md's tables
 # (native: where the int kernel stops beating AMX; AVX2: between the 48 rows where int8 wins and the
 # 384 where float32 wins by 2x, interpolated)
 # (int4 without native bfloat16 has no dense path: PyTorch's int4 packing has no cheap inverse, and a
@@ -202,7 +202,7 @@ def quantize_int8(
     back = None if dense is None else torch.empty(weight.shape, dtype=dense)
     for s in range(0, n, chunk):
         blk = weight[s : s + chunk].to(torch.float32, copy=True)  # (c, K), rewritten in place below
-        top = torch.maximum(blk.amax(dim=1), blk.amin(dim=1).neg_())  # (c,) max |w| (4x abs().amax's speed)
+        top = torch.maximum(blk.amax(dim=1), blk.amin(dim=1).neg_())  # (c,) max |w|, without abs()'s copy
         sc = top.clamp_min_(1e-12) / 127.0  # (c,)
         blk.div_(sc[:, None]).round_().clamp_(-127, 127)  # the int values, exactly, as float32
         q[s : s + chunk] = blk

@@ -62,7 +62,7 @@ class ModelSpec:
     where: str = field(default="model", repr=False, compare=False)
     # what a step is (models/spec/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
     split: str = field(default="paragraph", init=False)
-    # which positions a step's hidden states are pooled over (models/lm.py): the pair's `pooling`, set by
+    # which positions a step's hidden states are pooled over (models/lm/): the pair's `pooling`, set by
     # PairConfig, never per model: both probes and both models of a pair pool alike
     pooling: str = field(default="predict", init=False)
 

@@ -30,12 +30,12 @@ from semspec.models.spec.results import (
     Timings,
     finish_result,
 )
-
-if TYPE_CHECKING:
-    from semspec.models.spec.draft_target import Rewrite
 from semspec.models.spec.settings import (
     DecodeSettings,
 )
+
+if TYPE_CHECKING:  # a row's queued rewrite; draft_target imports this module
+    from semspec.models.spec.draft_target import Rewrite
 
 
 def step_room(s: DecodeSettings, lm: LM, used: int, limit: int | None = None) -> int:

@@ -1,20 +1,13 @@
-"""Decoders with one call signature and one result type.
-
-Every decoder is ``decode(question) -> DecodeResult``: the text, the final answer, and a per-step
-trace (who wrote each step, tokens per model, p, q, the acceptance draw, timings).
-
-* ``target`` / ``draft``: one model alone, step by step on its KV cache (plain autoregressive cost).
-* ``semanticspec``: the paper's Algorithm 1 — the draft writes a step, the target prefills it on its
-  cached context, probes give q (draft) and p (target), the step is accepted with probability
-  min(1, p/q); otherwise the target writes the step itself from the last accepted context.
-* ``specreason``: the target scores each draft step 0-9 in a verification turn (SpecReason's prompt and
-  scale); steps scored below the threshold are rewritten.
-
-The token-level baselines (``specsampling``, ``assisted``) live in ``semspec.models.token_level``.
+"""SemanticSpec (the paper's Algorithm 1), batched: per round the draft writes ``gamma`` steps per row, the
+target prefills them on its cached context (one prefill per round), the probes give q (draft) and p
+(target), and each step is kept by the acceptance rule (``rules.accept``: ``u < min(1, p/q)`` and its
+options); the first rejected step is rewritten by the target from the last accepted context (greedy:
+after the prefix of it the target agrees with, ``salvage``).
 
 Steps travel between the models as text; each model re-tokenises them, so the pair may use different
 tokenizers. Both models keep their caches across steps: accepted text is appended, rejected text is
-cropped away; nothing re-prefills the whole context.
+cropped away; nothing re-prefills the whole context. The other methods: ``specreason``, ``token_level``
+(``specsampling``, ``assisted``) and ``batching.SingleModelDecoder`` (``target``, ``draft``).
 """
 
 from __future__ import annotations
@@ -58,7 +51,7 @@ def probe_all(fn: ProbeFn, pooled: list[Pooled]) -> list[float]:
 
 
 @dataclass
-class Verdict:
+class Judgement:
     """SemanticSpec's judgement of one proposed step."""
 
     score: StepScore | None  # the target's scoring of the step (None for an empty step)
@@ -199,7 +192,7 @@ class SemanticSpecDecoder(DraftTarget):
             row.scored = scores
             row.res.target_prefill_tokens += sum(len(sc.token_ids) for sc in scores)
 
-    def _judge(self, rows: list[Row], steps: list[StepSample]) -> list[Verdict]:
+    def _judge(self, rows: list[Row], steps: list[StepSample]) -> list[Judgement]:
         """The target prefills each row's step on its cache (in place, all rows in one padded prefill;
         a row's score from ``_score_ahead`` is taken as it is) and the probes give q and p (batched); a
         step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
@@ -234,7 +227,7 @@ class SemanticSpecDecoder(DraftTarget):
         if s.min_token_p is not None:
             self._check_tokens(rows, scores, accepts, whys)
         return [
-            Verdict(sc, accept, why, restore)
+            Judgement(sc, accept, why, restore)
             for sc, accept, why, restore in zip(scores, accepts, whys, restores, strict=True)
         ]
 

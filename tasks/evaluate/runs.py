@@ -21,17 +21,9 @@ log = logging.getLogger(__name__)
 
 # the decode settings that were evaluate's own fields before the decode section grouped them: always in a
 # row's key; the others only where they differ from their default, so earlier rows keep their keys
-_KEYED = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "gamma",
-    "lookahead",
-    "rewrite_wait",
-    "min_ratio",
-    "min_p",
-)
-_KEYED += ("max_rejections", "min_token_p")
+_KEYED = ("max_new_tokens", "temperature", "top_p", "gamma", "lookahead", "rewrite_wait", *SEMANTICSPEC_RULES)
+# the settings one method alone reads: not in the other methods' keys
+_READ_BY = {"salvage": PROBE_METHOD, "accept_threshold": "specreason"}
 
 
 def _decode_key(decode: DecodeSettings) -> dict[str, Any]:
@@ -51,8 +43,10 @@ def run_key(
     the rejection budget and the token check, which only SemanticSpec reads (so its rows with and without them share the
     same baseline rows)."""
     skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain", "decode"}
-    if parse_label(label)[0] != PROBE_METHOD:
+    method = parse_label(label)[0]
+    if method != PROBE_METHOD:
         skip |= set(SEMANTICSPEC_RULES)
+    skip |= {name for name, reader in _READ_BY.items() if reader != method}
     settings = {k: v for k, v in {**asdict(cfg), **_decode_key(cfg.decode)}.items() if k not in skip}
     # a rule that is off is left out, as before it existed, so earlier rows keep their keys (min_ratio was
     # in the key from the start)

@@ -4,8 +4,7 @@ one probe per (role, variant, domain) on that domain's questions, named ``...-<v
 
 Train/validation/test splits are made **by question**: no prefix of a test question is trained on.
 
-This module holds the stage's entries (``stage``, ``run_train``; ``register_pending`` behind
-``semspec register``) and the loop over roles, domains and variants. The package's other modules:
+This module holds the stage's entries (``stage``, ``run_train``) and the loop over roles, domains and variants. The package's other modules:
 ``data`` (feature I/O joined with the labels, one domain's rows, the splits by question, the routing
 steps), ``fit`` (Lightning fitting, the shape search, ``predict``), ``metrics`` (probe and routing metrics,
 the ``min_ratio`` / ``min_p`` floors), ``plots`` (calibration and variant figures), ``trained`` (one probe
@@ -44,7 +43,6 @@ from semspec.tasks.train.registry import (
     PENDING_DIR,
     TRAIN_PARENT,
     log_routing,
-    register_pending,
     tag_floors,
     track_probe,
     write_outputs,
@@ -52,7 +50,7 @@ from semspec.tasks.train.registry import (
 )
 from semspec.tasks.train.trained import KeptProbe, Trained, TrainRun
 
-__all__ = ["register_pending", "run_train", "stage"]
+__all__ = ["run_train", "stage"]
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def routing_metrics(
     p: np.ndarray, q: np.ndarray, shared: np.ndarray, min_ratio: float = 0.0
 ) -> dict[str, float]:
     """Does a probe pair accept the right draft steps? With the decoder's rule a(s) = min(1, p/q), 0 where
-    p/q falls below ``min_ratio`` (``evaluate.min_ratio``; 0: the paper's rule): the true-accept rate (mean
+    p/q falls below ``min_ratio`` (``evaluate.decode.min_ratio``; 0: the paper's rule): the true-accept rate (mean
     a over steps the target shares), the false-accept rate (mean a over steps it does not), the AUROC of
     p/q for shared vs not shared and, beside it, of p alone (whether dividing by the draft's q helps; NaN
     where a side is empty)."""

@@ -165,8 +165,8 @@ def log_routing(routing: dict[str, dict[str, float]], trained: dict[tuple[str, s
 
 def tag_floors(routing: dict[str, dict[str, float]], pointers: dict[str, dict[str, Any]]) -> None:
     """Tag both registered probes of each trained variant with the ``min_ratio`` and ``min_p`` chosen on
-    the validation questions and the pair's step acceptance on the held-out steps (``evaluate.min_ratio:
-    auto``, ``min_p: auto`` and ``gamma: auto`` read them back at decode time; Random keeps the paper's
+    the validation questions and the pair's step acceptance on the held-out steps (``evaluate.decode``'s
+    ``min_ratio: auto``, ``min_p: auto`` and ``gamma: auto`` read them back at decode time; Random keeps the paper's
     rule and is not tagged)."""
     client = mlflow.MlflowClient()
     for variant, m in routing.items():

@@ -862,7 +862,7 @@ def test_mlflow_lost_mid_train_keeps_the_probes_and_registers_them_later(
     assert all((Path(p["folder"]) / "probe.safetensors").is_file() for p in kept)
 
     monkeypatch.setattr(registry, "register_probe", real)
-    metrics = T.register_pending(out)
+    metrics = registry.register_pending(out)
     pins = read_pointers(out)
     assert set(pins) == {"draft-all", "draft-random", "target-all", "target-random"}
     mv = mlflow.MlflowClient().get_model_version_by_alias("semspec-tiny-target-all", "champion")
