@@ -269,11 +269,11 @@ def test_the_engine_refuses_past_its_queue_and_fails_requests_on_stop():
             raise RuntimeError("never admitted")
 
     engine = Engine(lambda *key: Stuck(), max_batch=1, max_queue=1).start()
-    first = engine.submit(Request("a"))
+    first = engine.submit(Request("a", "semanticspec", 8, 0.0, 1.0))
     time.sleep(0.1)  # the worker took it and is stuck admitting it
-    engine.submit(Request("b"))
+    engine.submit(Request("b", "semanticspec", 8, 0.0, 1.0))
     with pytest.raises(Overloaded):
-        engine.submit(Request("c"))
+        engine.submit(Request("c", "semanticspec", 8, 0.0, 1.0))
     gate.set()
     with pytest.raises(RuntimeError, match="never admitted"):
         first.future.result(5)
@@ -285,12 +285,13 @@ def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
     engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4, spec_max_batch=1)
     engine.start()
     try:
-        first = engine.submit(Request(CHAT, max_new_tokens=40, temperature=0.0, top_p=1.0))
+        first = engine.submit(Request(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
         deadline = time.time() + 10
         while first.spec_rounds == 0 and time.time() < deadline:
             time.sleep(0.01)
         later = [
-            engine.submit(Request(CHAT, max_new_tokens=40, temperature=0.0, top_p=1.0)) for _ in range(2)
+            engine.submit(Request(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
+            for _ in range(2)
         ]
         res = first.future.result(60)
         others = [r.future.result(60) for r in later]
