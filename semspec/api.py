@@ -158,6 +158,22 @@ class SemanticSpec:
             self._decoders[key] = dec
         return self._decoders[key]
 
+    def prompt_tokens(self, prompt: Prompt, max_new_tokens: int = 0) -> int:
+        """The most tokens ``prompt`` takes in either model (rendered in each one's template), checked
+        against each model's context window with room for ``max_new_tokens``: a ``ValueError`` says by how
+        much it is over. The server calls it in a worker pool, before a request reaches the engine."""
+        most = 0
+        for role, lm in self.lms.items():
+            n = len(lm.encode(lm.format_prompt(prompt)))
+            window = lm.context_window
+            if window is not None and n + max_new_tokens > window:
+                raise ValueError(
+                    f"the prompt takes {n} tokens in the {role} model; with max_tokens {max_new_tokens} that "
+                    f"is above its context window of {window} tokens: shorten the prompt or max_tokens"
+                )
+            most = max(most, n)
+        return most
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt], method: str = PROBE_METHOD, **settings: Any
     ) -> Generation | list[Generation]:

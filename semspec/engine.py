@@ -44,6 +44,10 @@ class Stopped(RuntimeError):
     """The engine stopped before the request finished."""
 
 
+class TooLarge(ValueError):
+    """The request alone needs more tokens than the batch may hold (a server answers 400)."""
+
+
 @dataclass
 class Request:
     """One prompt to decode, as a client asked for it."""
@@ -56,6 +60,7 @@ class Request:
     top_p: float
     seed: int | None = None
     on_step: Callable[[StepRecord], None] | None = None  # called from the engine's thread
+    prompt_tokens: int = 0  # the prompt's tokens (counted before submitting): admission's token budget
     # set by the engine
     id: int = -1
     future: Future = field(default_factory=Future)  # the DecodeResult
@@ -66,6 +71,11 @@ class Request:
     solo_rounds: int = 0  # rounds in which the target wrote its step alone because the batch was full
     submitted: float = 0.0
     started: float | None = None  # when its row joined a batch (queue wait = started - submitted)
+
+    @property
+    def tokens(self) -> int:
+        """What the request may hold in the batch: its prompt and its whole budget of new tokens."""
+        return self.prompt_tokens + self.max_new_tokens
 
     @property
     def speculation(self) -> bool:
@@ -95,7 +105,11 @@ class Engine:
     Args:
         decoders: builds the decoder of (method, temperature, top_p); called once per lane.
         max_batch: rows decoded at once, over every lane.
-        max_queue: requests that may wait for a place; one more raises :class:`Overloaded`.
+        max_queue: requests that may wait for a place (>= 1); one more raises :class:`Overloaded`.
+        max_batch_tokens: the most tokens (prompt and budget of new tokens, :attr:`Request.tokens`) the
+            rows in the batch may hold together (None: no limit); a request waits until its tokens fit,
+            and one that could never fit raises :class:`TooLarge`. Rows are admitted by tokens, not
+            only by count: eight long prompts cost what hundreds of short ones do.
         spec_max_batch: the most requests in flight for which SemanticSpec still speculates (None: always).
         admit_wait: seconds an idle engine waits for more requests before it admits the first (with a
             ``spec_max_batch``), so a burst is counted whole.
@@ -110,13 +124,18 @@ class Engine:
         spec_max_batch: int | None = None,
         on_done: Callable[[Request, DecodeResult | None, BaseException | None], None] | None = None,
         admit_wait: float = 0.02,
+        max_batch_tokens: int | None = None,
     ) -> None:
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be None or >= 1, got {max_batch_tokens}")
         if spec_max_batch is not None and spec_max_batch < 0:
             raise ValueError(f"spec_max_batch must be None or >= 0, got {spec_max_batch}")
         self.decoders, self.max_batch, self.max_queue = decoders, max_batch, max_queue
         self.spec_max_batch, self.on_done, self.admit_wait = spec_max_batch, on_done, admit_wait
+        self.max_batch_tokens = max_batch_tokens
+        self.error: BaseException | None = None  # what killed the worker thread (None: alive)
         self._pending: deque[Request] = deque()
         self._lanes: dict[LaneKey, _Lane] = {}
         self._cond = threading.Condition()
@@ -136,10 +155,33 @@ class Engine:
         """Rows in the batch now, over every lane."""
         return sum(len(lane.rows) for lane in list(self._lanes.values()))
 
+    @property
+    def tokens_in_batch(self) -> int:
+        """Tokens the requests in the batch may hold (:attr:`Request.tokens`), over every lane."""
+        return sum(r.tokens for lane in list(self._lanes.values()) for r in list(lane.requests.values()))
+
+    @property
+    def lanes(self) -> int:
+        """Lanes (method, temperature, top_p) with rows now; an emptied lane is dropped."""
+        return len(self._lanes)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread serves: started, not stopped, not dead of an error."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
     def submit(self, request: Request) -> Request:
         """Queue ``request``; its ``future`` resolves to a ``DecodeResult``. Raises :class:`Overloaded`
         when ``max_queue`` requests already wait, :class:`Stopped` after ``stop``."""
+        if self.max_batch_tokens is not None and request.tokens > self.max_batch_tokens:
+            raise TooLarge(
+                f"the prompt ({request.prompt_tokens} tokens) and max_tokens ({request.max_new_tokens}) need "
+                f"{request.tokens} tokens, above this server's batch budget of {self.max_batch_tokens}: send a "
+                f"shorter prompt or a smaller max_tokens"
+            )
         with self._cond:
+            if self.error is not None:
+                raise Stopped(f"the engine failed ({type(self.error).__name__}); it takes no more requests")
             if self._stop:
                 raise Stopped("the engine is stopped")
             if len(self._pending) >= self.max_queue:
@@ -170,6 +212,24 @@ class Engine:
 
     # ----------------------------------------------------------------------------- worker side
     def _loop(self) -> None:
+        """The worker: rounds until stopped. An error outside a lane's own decode (a callback, a
+        hand-over) kills it: every request in flight and waiting fails with it, :attr:`alive` turns
+        False and ``submit`` refuses new work, so nothing hangs on a thread that is gone."""
+        try:
+            self._rounds()
+        except BaseException as e:
+            log.exception("the engine's worker died")
+            with self._cond:
+                self.error = e
+                waiting = [
+                    *self._pending,
+                    *(r for lane in self._lanes.values() for r in lane.requests.values()),
+                ]
+                self._pending.clear()
+            for req in waiting:
+                self._fail(req, Stopped(f"the engine failed ({type(e).__name__})"))
+
+    def _rounds(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._pending and not self.running:
@@ -189,12 +249,17 @@ class Engine:
 
     def _take(self) -> list[Request]:
         """Pending requests that fit in the batch, in order; cancelled ones are dropped."""
-        taken, room = [], self.max_batch - self.running
+        taken, room, tokens = [], self.max_batch - self.running, self.tokens_in_batch
         while self._pending and len(taken) < room:
-            req = self._pending.popleft()
+            req = self._pending[0]
             if req.cancelled.is_set():
+                self._pending.popleft()
                 self._fail(req, Stopped("cancelled"))
                 continue
+            if self.max_batch_tokens is not None and tokens + req.tokens > self.max_batch_tokens:
+                break  # it waits (in order) until finished rows free its tokens
+            self._pending.popleft()
+            tokens += req.tokens
             in_flight = self.running + len(taken) + 1 + len(self._pending)
             req.solo = req.method == PROBE_METHOD and not self._may_speculate(in_flight)
             taken.append(req)
@@ -254,18 +319,17 @@ class Engine:
             lane.rows.remove(row)
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
         if not lane.rows:
+            if not lane.requests:  # nothing left in it: a lane per distinct setting must not pile up
+                del self._lanes[key]
             return
         if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
             self._hand_over(key, lane)
             return
         try:
             done = lane.decoder.step(lane.rows)
-        except Exception as e:  # the lane's rows fail; the engine keeps serving
-            log.exception("decoding failed for %d rows of %s", len(lane.rows), key)
-            for row in lane.rows:
-                self._fail(lane.requests.pop(row.index), e)
-            lane.rows = []
-            return
+        except Exception:  # find the culprit: each row alone; only a row that fails alone fails
+            log.exception("decoding failed for %d rows of %s; retrying them one by one", len(lane.rows), key)
+            done = self._step_alone(lane)
         self.rounds += 1
         for row in lane.rows:
             req = lane.requests[row.index]
@@ -275,10 +339,26 @@ class Engine:
         finished = {r.index for r in done}
         lane.rows = [r for r in lane.rows if r.index not in finished]
         for row in done:
-            req = lane.requests.pop(row.index)
-            if self.on_done is not None:
-                self.on_done(req, row.res, None)
-            req.future.set_result(row.res)
+            req = lane.requests[row.index]
+            try:
+                if self.on_done is not None:
+                    self.on_done(req, row.res, None)
+            finally:  # its answer is whole whatever the callback did; the rest fail with the worker
+                del lane.requests[row.index]
+                req.future.set_result(row.res)
+
+    def _step_alone(self, lane: _Lane) -> list:
+        """One round of each of the lane's rows by itself, after the batched round failed; a row that
+        fails alone fails its request, the others go on."""
+        done = []
+        for row in list(lane.rows):
+            try:
+                done += lane.decoder.step([row])
+            except Exception as e:
+                log.exception("request %d failed", row.index)
+                lane.rows.remove(row)
+                self._fail(lane.requests.pop(row.index), e)
+        return done
 
     def _may_speculate(self, rows: int) -> bool:
         """Whether SemanticSpec speculates with ``rows`` requests in flight."""

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from semspec.api import SemanticSpec
 from semspec.engine import Engine
 from semspec.flows.serve.config import ServeConfig
+from semspec.flows.serve.guard import Guard
 from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, error_response
 from semspec.flows.serve.routes import Served, api_router
@@ -48,19 +49,6 @@ async def _http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
     return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
 
 
-async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """With an API key configured, every ``/v1/`` request must send it as ``Authorization: Bearer KEY``
-    (401 otherwise; compared in constant time); /health and /metrics stay open."""
-    api_key = request.app.state.cfg.api_key
-    if api_key and request.url.path.startswith("/v1/"):
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            return error_response(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error"
-            )
-    return await call_next(request)
-
-
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """The engine runs while the app does."""
@@ -69,6 +57,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     log.info("serving %s on http://%s:%d/v1", app.state.served.model_id, cfg.host, cfg.port)
     yield
     engine.stop()
+    app.state.served.prompts.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
@@ -80,6 +69,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         cfg.max_queue,
         cfg.spec_max_batch,
         metrics.done,
+        max_batch_tokens=cfg.batch_tokens,
     )
     metrics.watch(engine)
     app = FastAPI(title="semspec", version="0.1.0", lifespan=_lifespan)
@@ -92,12 +82,14 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         default_tokens=cfg.default_max_tokens or min(spec.defaults.max_new_tokens, cfg.max_tokens_limit),
         max_tokens_limit=cfg.max_tokens_limit,
         spec_max_batch=cfg.spec_max_batch,
+        limits=cfg,
+        prompts=ThreadPoolExecutor(cfg.prompt_workers, thread_name_prefix="semspec-prompt"),
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # 405 keeps its Allow header
-    app.middleware("http")(_require_api_key)
     app.include_router(api_router(cfg.max_tokens_limit))
+    app.add_middleware(Guard, cfg=cfg)  # Host, API key, body size and time, before any handler
     return app
 
 
@@ -116,4 +108,11 @@ def run_server(
     from semspec.api import load
 
     spec = load(pair, probes=probes, probe=probe)
-    uvicorn.run(create_app(spec, cfg), host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(
+        create_app(spec, cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level="info",
+        limit_concurrency=cfg.limit_concurrency,
+        timeout_keep_alive=cfg.timeout_keep_alive,
+    )

@@ -15,18 +15,56 @@ class ServeConfig:
 
     host: str = HOST  # loopback by default; another address needs an api_key
     port: int = 8000
-    api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
+    api_key: str | None = None  # required as ``Authorization: Bearer <key>`` by every path but /health
     max_batch: int = 8  # rows decoded at once
-    max_queue: int = 64  # requests that may wait for a row; one more is answered 429
+    max_queue: int = 64  # requests that may wait for a row (>= 1); one more is answered 429
     spec_max_batch: int | None = None  # SemanticSpec speculates while at most this many are in flight
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
     default_max_tokens: int | None = None  # a request without max_tokens (None: the evaluation's budget)
+    # what a request may be, checked before it reaches the engine (413 / 400)
+    max_body_bytes: int = 1 << 20  # a request body's bytes
+    max_messages: int = 256  # a chat's messages
+    max_prompt_chars: int = 200_000  # a prompt's characters, every message together
+    max_prompt_tokens: int = 4096  # a prompt's tokens (in either model)
+    # what the batch may hold: prompt tokens + max_tokens of every row in it (None: max_batch rows of
+    # max_prompt_tokens + max_tokens_limit); a request waits until its tokens fit
+    max_batch_tokens: int | None = None
+    prompt_workers: int = 2  # threads that render and tokenize prompts, beside the engine's thread
+    # connections: uvicorn's limits, and the time a client has to send its whole body
+    limit_concurrency: int = 256  # open connections; one more is answered 503
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open
+    body_timeout: float = 10.0  # seconds to receive a request's body; a slower client gets 408
+    public_metrics: bool = False  # /metrics without the api key (a scraper on a trusted network)
+
+    @property
+    def batch_tokens(self) -> int:
+        """The batch's token budget (``max_batch_tokens``, or room for ``max_batch`` of the largest rows)."""
+        return self.max_batch_tokens or self.max_batch * (self.max_prompt_tokens + self.max_tokens_limit)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
-        if self.max_batch < 1 or self.max_queue < 0 or self.max_tokens_limit < 1:
-            raise ValueError("max_batch and max_tokens_limit must be >= 1, max_queue >= 0")
+        counts = {
+            "max_batch": self.max_batch,
+            "max_queue": self.max_queue,
+            "max_tokens_limit": self.max_tokens_limit,
+            "max_body_bytes": self.max_body_bytes,
+            "max_messages": self.max_messages,
+            "max_prompt_chars": self.max_prompt_chars,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "prompt_workers": self.prompt_workers,
+            "limit_concurrency": self.limit_concurrency,
+            "timeout_keep_alive": self.timeout_keep_alive,
+        }
+        bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: each must be >= 1")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 2:
+            raise ValueError(
+                f"max_batch_tokens must be >= 2 (a prompt token and a new one), got {self.max_batch_tokens}"
+            )
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 seconds, got {self.body_timeout}")
         if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must be in 1..{self.max_tokens_limit}")
         if not is_loopback(self.host) and not self.api_key:

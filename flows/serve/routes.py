@@ -16,6 +16,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, create_model
 
 from semspec.api import SemanticSpec
-from semspec.engine import Engine, Overloaded, Stopped
+from semspec.engine import Engine, Overloaded, Stopped, TooLarge
 from semspec.engine import Request as Job
 from semspec.flows.openai_schema import (
     ChatCompletion,
@@ -36,6 +37,7 @@ from semspec.flows.openai_schema import (
     ModelList,
     ok_responses,
 )
+from semspec.flows.serve.config import ServeConfig
 from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, Reply, completion_body, stream_events
 from semspec.models.lm import RawPrompt, check_messages
@@ -55,6 +57,8 @@ class Served:
     default_tokens: int  # max_tokens of a request that gives none
     max_tokens_limit: int  # the largest max_tokens a request may ask for
     spec_max_batch: int | None  # SemanticSpec speculates while at most this many are in flight
+    limits: ServeConfig  # what a request may be (messages, characters, prompt tokens)
+    prompts: ThreadPoolExecutor  # renders and tokenizes prompts, off the event loop and the engine
 
     @property
     def model_id(self) -> str:
@@ -96,9 +100,32 @@ def _check(served: Served, body: ChatCompletionRequest | CompletionRequest, aske
     return max_tokens
 
 
+def _check_chars(served: Served, chars: int, param: str) -> None:
+    """400 for a prompt longer than the server's ``max_prompt_chars``, before any work is spent on it."""
+    if chars > served.limits.max_prompt_chars:
+        raise ApiError(
+            400,
+            f"the prompt has {chars} characters, above this server's limit of {served.limits.max_prompt_chars}",
+            param=param,
+        )
+
+
 async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, kind: str) -> Response:
     """Submit the request to the engine; answer when it is decoded, or stream its steps as they come."""
     loop = asyncio.get_running_loop()
+    param = "messages" if kind == "chat" else "prompt"
+    try:  # rendering and tokenizing a long prompt takes a while: a worker thread does it, not the engine
+        prompt_tokens = await loop.run_in_executor(
+            served.prompts, served.spec.prompt_tokens, prompt, max_tokens
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
+    if prompt_tokens > served.limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt takes {prompt_tokens} tokens, above this server's limit of {served.limits.max_prompt_tokens}",
+            param=param,
+        )
     steps: asyncio.Queue = asyncio.Queue()
     defaults = served.spec.defaults
     job = Job(
@@ -109,20 +136,29 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
         defaults.top_p if body.top_p is None else body.top_p,
         body.seed,
         on_step=(lambda s: loop.call_soon_threadsafe(steps.put_nowait, s)) if body.stream else None,
+        prompt_tokens=prompt_tokens,
     )
     try:
         served.engine.submit(job)
+    except TooLarge as e:
+        raise ApiError(400, str(e), param="max_tokens") from None
     except Overloaded as e:
         served.metrics.refused(kind)
         raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error") from None
     except Stopped as e:
         raise ApiError(503, str(e), "server_error") from None
-    try:
-        await asyncio.wrap_future(job.admitted)
-    except ValueError as e:  # the prompt does not fit the context, a bad prompt
-        raise ApiError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+    try:  # a client that leaves while its request waits for a row takes it out of the queue
+        await _watching(http, job, job.admitted)
     except Stopped as e:
         raise ApiError(503, str(e), "server_error") from None
+    except ValueError as e:  # the prompt does not fit the context, a bad prompt
+        raise ApiError(400, str(e), param=param) from None
+    except ApiError:
+        raise
+    except Exception:  # the engine's own failure: logged there; the client gets no internals
+        raise ApiError(
+            500, f"decoding failed (request {job.id}); the server's log has the error", "server_error"
+        ) from None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     reply = Reply(rid, kind, served.model_id, served.spec_max_batch)
     if body.stream:
@@ -133,33 +169,51 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
     return JSONResponse(completion_body(reply, job, res))
 
 
+async def _watching(http: Request, job: Job, future: Future) -> Any:
+    """``future``'s result; a client that disconnects meanwhile cancels ``job`` (its row leaves the batch,
+    or it leaves the queue) and gets 499."""
+    fut = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({fut}, timeout=0.25)
+        if done:
+            return fut.result()
+        if await http.is_disconnected():
+            job.cancel()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it now
+            raise ApiError(499, "client closed the request")
+
+
 async def _wait(http: Request, job: Job) -> DecodeResult:
     """The job's result; a client that disconnects meanwhile takes its row out of the batch."""
-    fut = asyncio.wrap_future(job.future)
-    while True:
-        done, _ = await asyncio.wait({fut}, timeout=0.5)
-        if done:
-            break
-        if await http.is_disconnected():  # its row leaves the batch
-            job.cancel()
-            raise ApiError(499, "client closed the request")
     try:
-        return fut.result()
+        return await _watching(http, job, job.future)
     except Stopped as e:
         raise ApiError(503, str(e), "server_error") from None
-    except Exception as e:
+    except ApiError:
+        raise
+    except Exception:
         log.exception("request %d failed", job.id)
-        raise ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "server_error") from None
+        raise ApiError(
+            500, f"decoding failed (request {job.id}); the server's log has the error", "server_error"
+        ) from None
 
 
 async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
     """OpenAI's chat completions; ``method`` picks a baseline, ``semspec`` in the reply is the trace."""
     served: Served = http.app.state.served
     max_tokens = _check(served, body, body.max_completion_tokens or body.max_tokens)
+    limits = served.limits
+    if len(body.messages) > limits.max_messages:
+        raise ApiError(
+            400,
+            f"{len(body.messages)} messages, above this server's limit of {limits.max_messages}",
+            param="messages",
+        )
     try:
         messages = check_messages([{"role": m.role, "content": m.content} for m in body.messages])
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
+    _check_chars(served, sum(len(m["content"]) for m in messages), "messages")
     served.metrics.request("chat")
     return await _decode(served, http, body, messages, max_tokens, "chat")
 
@@ -169,6 +223,7 @@ async def completions(body: CompletionRequest, http: Request) -> Response:
     served: Served = http.app.state.served
     max_tokens = _check(served, body, body.max_tokens)
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    _check_chars(served, len(prompt), "prompt")
     served.metrics.request("completion")
     return await _decode(served, http, body, RawPrompt(prompt), max_tokens, "completion")
 
@@ -179,18 +234,22 @@ async def models(http: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=served.model_id, created=served.created)])
 
 
-async def health(http: Request) -> dict[str, Any]:
-    """Liveness and what is served."""
+async def health(http: Request) -> JSONResponse:
+    """Liveness and what is served: 503 when the engine's worker is not serving (it died, or stopped)."""
     served: Served = http.app.state.served
-    return {
-        "status": "ok",
+    alive = served.engine.alive
+    body = {
+        "status": "ok" if alive else "unavailable",
         "model": served.model_id,
         "probe": served.spec.probe,
         "models": {role: lm.describe()["dtype"] for role, lm in served.spec.lms.items()},
         "running": served.engine.running,
         "queued": served.engine.queue_depth,
         "spec_max_batch": served.spec_max_batch,
+        "lanes": served.engine.lanes,
+        "batch_tokens": served.engine.tokens_in_batch,
     }
+    return JSONResponse(body, status_code=200 if alive else 503)
 
 
 async def prometheus(http: Request) -> Response:

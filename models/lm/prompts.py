@@ -7,7 +7,8 @@ tokenizes as the plain characters a user typed and cannot open a forged system o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Union
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -41,13 +42,43 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     return out
 
 
-def neutralize(text: str, specials: Sequence[str]) -> str:
+class ControlTokens:
+    """A tokenizer's control-token strings, indexed once so that ``neutralize`` reads a text in one pass:
+    a tokenizer may have thousands (Gemma's has 6,249), and a replace per token over a long prompt costs
+    seconds. The pass visits only positions holding a token's first character and tries the tokens'
+    lengths there, longest first."""
+
+    def __init__(self, specials: Iterable[str]) -> None:
+        self.tokens = frozenset(t for t in specials if len(t) > 1)
+        self.lengths = sorted({len(t) for t in self.tokens}, reverse=True)
+        firsts = "".join(sorted({t[0] for t in self.tokens}))
+        self._starts = re.compile(f"[{re.escape(firsts)}]") if firsts else None
+
+    def neutralize(self, text: str) -> str:
+        """``text`` with every control-token string broken after its first character (leftmost, longest
+        first), so a tokenizer reads it as the plain characters a user typed."""
+        if self._starts is None:
+            return text
+        out, last = [], 0
+        for m in self._starts.finditer(text):
+            i = m.start()
+            if i < last:
+                continue
+            for n in self.lengths:
+                token = text[i : i + n]
+                if token in self.tokens:
+                    out += [text[last:i], token[0], _BREAK, token[1:]]
+                    last = i + n
+                    break
+        return "".join(out) + text[last:] if out else text
+
+
+def neutralize(text: str, specials: Sequence[str] | ControlTokens) -> str:
     """``text`` with every occurrence of a special-token string broken after its first character, so a
-    tokenizer reads it as plain text (``specials``: the tokenizer's special and added control tokens)."""
-    for token in sorted((t for t in specials if len(t) > 1), key=len, reverse=True):
-        if token in text:
-            text = text.replace(token, token[0] + _BREAK + token[1:])
-    return text
+    tokenizer reads it as plain text (``specials``: the tokenizer's special and added control tokens, or
+    their :class:`ControlTokens` index, which a caller keeps to neutralize many texts)."""
+    index = specials if isinstance(specials, ControlTokens) else ControlTokens(specials)
+    return index.neutralize(text)
 
 
 def plain_chat(messages: Sequence[Message], template: str) -> str:

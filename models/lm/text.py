@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from semspec.models.lm.pair import ModelSpec
-from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages, neutralize, plain_chat
+from semspec.models.lm.prompts import ControlTokens, Prompt, RawPrompt, check_messages, neutralize, plain_chat
 from semspec.models.spec.steps import step_end
 
 
@@ -69,10 +69,14 @@ class TextMixin:
         except Exception as e:  # jinja's TemplateError: the template's own rules (alternating roles, ...)
             raise ValueError(f"{self.model_id}'s chat template refuses these messages: {e}") from None
 
-    def _control_tokens(self) -> list[str]:
-        """Every special or added control-token string of the tokenizer."""
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        return sorted({*self.tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)})
+    def _control_tokens(self) -> ControlTokens:
+        """Every special or added control-token string of the tokenizer, indexed once per model."""
+        index = self.__dict__.get("_control_index")
+        if index is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)}
+            index = self.__dict__["_control_index"] = ControlTokens(specials)
+        return index
 
     def next_turn(self, instruction: str, reply_start: str) -> str:
         """The text that closes the assistant's turn, asks ``instruction`` as a new user turn and opens
@@ -100,7 +104,13 @@ class TextMixin:
 
     def continuation_ids(self, prev_text: str, prev_ids: list[int], new_text: str) -> list[int]:
         """Ids of ``new_text`` as it tokenizes after ``prev_text`` (falls back to standalone tokenization
-        when the boundary would merge tokens with the cached context)."""
+        when the boundary would merge tokens with the cached context). Control-token strings in
+        ``new_text`` (a model's own text, or a user's prefilled reply) are read as plain characters."""
+        if self._control_tokens().neutralize(new_text) != new_text:
+            # model text that spells a control token stays plain text: it never becomes a control id
+            return list(
+                self.tokenizer(new_text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            )
         full = self.encode(prev_text + new_text)
         if full[: len(prev_ids)] == prev_ids:
             return full[len(prev_ids) :]

@@ -319,6 +319,6 @@ def test_an_undeclared_method_is_405_with_allow():
 
     from semspec.flows.serve.app import create_app
 
-    with TestClient(create_app(TinySpec(), ServeConfig())) as client:
+    with TestClient(create_app(TinySpec(), ServeConfig()), base_url="http://127.0.0.1") as client:
         r = client.request("TRACE", "/v1/models")
     assert r.status_code == 405 and "GET" in r.headers["allow"] and r.json()["error"]["type"]
