@@ -246,6 +246,8 @@ class Engine:
             self._admit(joining)
             for key in list(self._lanes):
                 self._round(key)
+            for key in [k for k, lane in self._lanes.items() if not lane.rows and not lane.requests]:
+                del self._lanes[key]  # a lane per distinct setting must not pile up
 
     def _take(self) -> list[Request]:
         """Pending requests that fit in the batch, in order; cancelled ones are dropped."""
@@ -319,8 +321,6 @@ class Engine:
             lane.rows.remove(row)
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
         if not lane.rows:
-            if not lane.requests:  # nothing left in it: a lane per distinct setting must not pile up
-                del self._lanes[key]
             return
         if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
             self._hand_over(key, lane)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from semspec.models.project.settings import apply_env, settings
 
@@ -16,11 +18,27 @@ log = logging.getLogger(__name__)
 
 def init_ray() -> None:
     """``ray.init()`` once: in-process by default, or the cluster named by ``RAY_ADDRESS``."""
+    keys = (
+        "RAY_USAGE_STATS_ENABLED",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+        "RAY_AUTH_MODE",
+        "RAY_AUTH_TOKEN_PATH",
+    )
+    # Ray reads its auth mode when first imported: the CLI and the API apply the whole environment at
+    # their start, before anything imports Ray; a caller that imports Ray first sets RAY_AUTH_MODE itself
+    apply_env(keys=keys)
+    imported = "ray" in sys.modules
     import ray  # a slow import that only the ray executor needs
 
     if ray.is_initialized():
         return
-    apply_env(keys=("RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE"))
+    if imported and os.environ.get("RAY_AUTH_MODE") == "token" and not _token_auth_on():
+        log.warning(
+            "Ray was imported before the project's environment was applied, so it runs without its token: "
+            "apply it first (semspec.models.project.settings.apply_env), as the CLI and the API do"
+        )
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray's processes must agree with this driver
+    ensure_auth_token()
     address = settings().ray_address
     log.info("starting Ray %s", f"client of {address}" if address else "in-process")
     ray.init(
@@ -29,11 +47,40 @@ def init_ray() -> None:
         ignore_reinit_error=True,
         log_to_driver=True,
         configure_logging=False,
+        # in-process: the node's address is loopback (its agents listen there); a cluster names its own
+        **({} if address else {"_node_ip_address": LOOPBACK}),
     )
     if not address:
         _start_watchdog()
     if threading.current_thread() is threading.main_thread():
         exit_on_termination()  # ours again: Ray's own SIGTERM handler aborts without shutting Ray down
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def _token_auth_on() -> bool:
+    """Whether the imported Ray runs with token authentication (it read RAY_AUTH_MODE when imported)."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return bool(is_token_auth_enabled())
+
+
+def ensure_auth_token() -> Path | None:
+    """With ``RAY_AUTH_MODE=token`` (the project's default) and no ``RAY_AUTH_TOKEN``, the token file at
+    ``RAY_AUTH_TOKEN_PATH``: made once, random, readable by its owner only. Ray's servers then refuse a
+    caller without it; some of them (gcs_server, raylet) listen on every interface whatever the node's
+    address, so the token is what keeps another host out. Returns the file, or None when not used."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") or not path:
+        return None
+    token = Path(path)
+    if not token.is_file():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return token
 
 
 _WATCHDOG: subprocess.Popen | None = None

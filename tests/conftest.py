@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # as the CLI sets it, before anything imports Ray
 
 
 @pytest.fixture(autouse=True)

@@ -114,7 +114,9 @@ def project_env(root: Path | None = None, s: Settings | None = None) -> dict[str
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "DVC_NO_ANALYTICS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
+        # Ray's own servers require this project's token (tasks/ray_utils.py writes it, owner-only)
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(r / ".ray" / "auth_token"),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "HF_HUB_OFFLINE": "1",
         "HF_HOME": str(r / ".hf"),
