@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # the methods a server decodes: the step-level ones, which share the batched step loop
 SERVED_METHODS = ("semanticspec", "target", "draft", "specreason")
@@ -19,13 +19,34 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 
-class ChatMessage(BaseModel):
-    """One message of a chat."""
+class TextPart(BaseModel):
+    """A part of a message's content, in OpenAI's list form; text is the one kind a text model reads."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(max_length=200_000)]
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=200_000)]
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat. ``developer`` is OpenAI's newer name for the system role; content is a
+    string or a list of text parts (joined by newlines, as vLLM joins them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Field(max_length=200_000)] | Annotated[list[TextPart], Field(max_length=256)]
     name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """``{role, content}`` as the models read it: ``developer`` as ``system``, parts joined."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text is what every answer is."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
 
 
 class StreamOptions(BaseModel):
@@ -48,7 +69,25 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     user: str | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # the answer ends before any of them
+    # OpenAI's options at their neutral values only: a request that asks for more is refused by name
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     method: Method = "semanticspec"  # semspec's extension: a baseline through the same endpoint
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: object) -> object:
+        if (isinstance(v, list) and (not v or any(not s for s in v))) or v == "":
+            raise ValueError("stop takes a non-empty string or a list of 1-4 non-empty strings")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v not in (None, 0):
+            raise ValueError(f"semspec does not support {info.field_name} other than 0")
+        return v
 
     @field_validator("max_tokens", "max_completion_tokens", "seed", mode="before", check_fields=False)
     @classmethod
@@ -69,10 +108,33 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None  # no tools are called: any value means the same
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("semspec does not support logprobs (steps are accepted whole): send false")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v not in (None, 0):
+            raise ValueError("semspec does not support top_logprobs other than 0")
+        return v
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is read as it is (no chat template)."""
+
+    logprobs: Literal[0] | None = None
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
 
     prompt: (
         Annotated[str, Field(min_length=1, max_length=200_000)]

@@ -22,18 +22,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 
 from semspec.models.lm import Prompt
 from semspec.models.spec.batching import BatchDecoder, Job, Row
 from semspec.models.spec.names import PROBE_METHOD
-from semspec.models.spec.results import DecodeResult, StepRecord
+from semspec.models.spec.results import DecodeResult, StepRecord, finish_result
+from semspec.stops import StopStrings
 
 log = logging.getLogger(__name__)
 
 LaneKey = tuple[str, float, float]  # (method, temperature, top_p)
 DecoderFactory = Callable[[str, float, float], BatchDecoder]
+
+
+def _whitespace_tokens(text: str) -> int:
+    return len(text.split())
 
 
 class Overloaded(RuntimeError):
@@ -61,6 +66,7 @@ class Request:
     seed: int | None = None
     on_step: Callable[[StepRecord], None] | None = None  # called from the engine's thread
     prompt_tokens: int = 0  # the prompt's tokens (counted before submitting): admission's token budget
+    stop: tuple[str, ...] = ()  # OpenAI's stop strings: the answer ends before the first match
     # set by the engine
     id: int = -1
     future: Future = field(default_factory=Future)  # the DecodeResult
@@ -71,6 +77,7 @@ class Request:
     solo_rounds: int = 0  # rounds in which the target wrote its step alone because the batch was full
     submitted: float = 0.0
     started: float | None = None  # when its row joined a batch (queue wait = started - submitted)
+    stops: StopStrings | None = None  # reads its steps for ``stop`` (set by ``submit``)
 
     @property
     def tokens(self) -> int:
@@ -114,6 +121,8 @@ class Engine:
         admit_wait: seconds an idle engine waits for more requests before it admits the first (with a
             ``spec_max_batch``), so a burst is counted whole.
         on_done: called with each finished request and its result (metrics), from the engine's thread.
+        count_tokens: a text's tokens in the target's tokenizer (an answer cut at a stop string is counted
+            again); default: whitespace-separated words.
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class Engine:
         on_done: Callable[[Request, DecodeResult | None, BaseException | None], None] | None = None,
         admit_wait: float = 0.02,
         max_batch_tokens: int | None = None,
+        count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
@@ -135,6 +145,7 @@ class Engine:
         self.decoders, self.max_batch, self.max_queue = decoders, max_batch, max_queue
         self.spec_max_batch, self.on_done, self.admit_wait = spec_max_batch, on_done, admit_wait
         self.max_batch_tokens = max_batch_tokens
+        self.count_tokens = count_tokens or _whitespace_tokens
         self.error: BaseException | None = None  # what killed the worker thread (None: alive)
         self._pending: deque[Request] = deque()
         self._lanes: dict[LaneKey, _Lane] = {}
@@ -189,6 +200,7 @@ class Engine:
                     f"{len(self._pending)} requests are waiting (the queue holds {self.max_queue})"
                 )
             request.id, request.submitted = next(self._ids), time.perf_counter()
+            request.stops = StopStrings(request.stop) if request.stop else None
             self._pending.append(request)
             self._cond.notify()
         return request
@@ -302,9 +314,14 @@ class Engine:
         by_id = {r.id: r for r in reqs}
 
         def on_step(key: int, step: StepRecord) -> None:
-            callback = by_id[key].on_step
-            if callback is not None:
-                callback(step)
+            req = by_id[key]
+            if req.stops is not None:  # only text before a stop string, and none that may begin one
+                text = req.stops.feed(step.text)
+                if not text:
+                    return
+                step = replace(step, text=text)
+            if req.on_step is not None:
+                req.on_step(step)
 
         rows = lane.decoder.admit(jobs, on_step)
         now = time.perf_counter()
@@ -320,6 +337,10 @@ class Engine:
         for row in [r for r in lane.rows if lane.requests[r.index].cancelled.is_set()]:
             lane.rows.remove(row)
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
+        for row in [r for r in lane.rows if (q := lane.requests[r.index].stops) is not None and q.stopped]:
+            lane.rows.remove(row)  # its answer ended at a stop string: no more rounds for it
+            finish_result(lane.decoder.method, row.res, row.t0, lane.decoder.settings)
+            self._resolve(lane, row)
         if not lane.rows:
             return
         if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
@@ -339,13 +360,18 @@ class Engine:
         finished = {r.index for r in done}
         lane.rows = [r for r in lane.rows if r.index not in finished]
         for row in done:
-            req = lane.requests[row.index]
-            try:
-                if self.on_done is not None:
-                    self.on_done(req, row.res, None)
-            finally:  # its answer is whole whatever the callback did; the rest fail with the worker
-                del lane.requests[row.index]
-                req.future.set_result(row.res)
+            self._resolve(lane, row)
+
+    def _resolve(self, lane: _Lane, row: Row) -> None:
+        """Hand a finished row's result (cut at its stop string, if one matched) to its request."""
+        req = lane.requests[row.index]
+        res = row.res if req.stops is None else req.stops.cut(row.res, self.count_tokens)
+        try:
+            if self.on_done is not None:
+                self.on_done(req, res, None)
+        finally:  # its answer is whole whatever the callback did; the rest fail with the worker
+            del lane.requests[row.index]
+            req.future.set_result(res)
 
     def _step_alone(self, lane: _Lane) -> list:
         """One round of each of the lane's rows by itself, after the batched round failed; a row that

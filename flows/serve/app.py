@@ -70,6 +70,9 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         cfg.spec_max_batch,
         metrics.done,
         max_batch_tokens=cfg.batch_tokens,
+        count_tokens=lambda text: len(
+            spec.lms["target"].tokenizer(text, add_special_tokens=False)["input_ids"]
+        ),
     )
     metrics.watch(engine)
     app = FastAPI(title="semspec", version="0.1.0", lifespan=_lifespan)

@@ -73,7 +73,8 @@ def _usage(res: DecodeResult) -> Usage:
 
 
 def _finish(res: DecodeResult) -> str:
-    return "stop" if res.finish_reason == "eos" else "length"
+    """OpenAI's finish_reason: ``stop`` at the model's end or a stop string, else ``length``."""
+    return "stop" if res.finish_reason in ("eos", "stop") else "length"
 
 
 def completion_body(reply: Reply, job: Job, res: DecodeResult) -> dict[str, Any]:
@@ -128,11 +129,13 @@ async def stream_events(reply: Reply, job: Job, steps: asyncio.Queue, usage: boo
             yield _chunk(reply, step.text, None, {"semspec": {"step": out}})
         try:
             res = job.future.result()
-        except Exception as e:
-            err = {"message": f"decoding failed: {type(e).__name__}: {e}", "type": "server_error"}
+        except Exception:  # the server's log has the error; the client gets no internals
+            err = {"message": f"decoding failed (request {job.id})", "type": "server_error"}
             yield f"data: {json.dumps({'error': err})}\n\n"
             yield "data: [DONE]\n\n"
             return
+        if job.stops is not None and (rest := job.stops.rest()):  # the tail held back for a stop string
+            yield _chunk(reply, rest, None, {})
         semspec = _trace(job, res, reply.spec_max_batch, with_steps=False).model_dump()
         yield _chunk(reply, None if chat else "", _finish(res), {"semspec": semspec})
         if usage:

@@ -42,6 +42,7 @@ from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, Reply, completion_body, stream_events
 from semspec.models.lm import RawPrompt, check_messages
 from semspec.models.spec.results import DecodeResult
+from semspec.stops import check_stops
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
         body.seed,
         on_step=(lambda s: loop.call_soon_threadsafe(steps.put_nowait, s)) if body.stream else None,
         prompt_tokens=prompt_tokens,
+        stop=check_stops(body.stop),
     )
     try:
         served.engine.submit(job)
@@ -210,7 +212,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request) -> Respon
             param="messages",
         )
     try:
-        messages = check_messages([{"role": m.role, "content": m.content} for m in body.messages])
+        messages = check_messages([m.as_dict() for m in body.messages])
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
     _check_chars(served, sum(len(m["content"]) for m in messages), "messages")
