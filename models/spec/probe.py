@@ -1,7 +1,8 @@
 """Semantic-probability probes: pooled hidden state -> P(the model means the same thing here).
 
-* :class:`ProbeMLP` (a LightningModule): standardised input -> MLP (ReLU) -> sigmoid, MSE loss,
-  AdamW. ``feature`` picks the input: ``last`` (h_last [D]), ``all`` (h_mean [D], the paper's method)
+* :class:`ProbeMLP` (a plain ``nn.Module``: decoding needs torch alone; training wraps it in Lightning,
+  ``tasks/train/fit.py``): standardised input -> MLP (ReLU) -> sigmoid; its optimiser settings (AdamW)
+  travel with it. ``feature`` picks the input: ``last`` (h_last [D]), ``all`` (h_mean [D], the paper's method)
   or ``mix`` (h_layers [L+1, D] combined by learned softmax weights over layers — our extension).
 * :class:`RandomProbe`: the paper's Random ablation, uniform random output, loadable like any probe.
 """
@@ -14,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -29,7 +29,7 @@ CONFIG_FILE = "probe.json"  # what module to build around the weights
 FORMAT_VERSION = 1
 
 
-class ProbeMLP(L.LightningModule):
+class ProbeMLP(nn.Module):
     """MLP probe with input standardisation (statistics of the training split, stored as buffers)."""
 
     def __init__(
@@ -49,7 +49,16 @@ class ProbeMLP(L.LightningModule):
             raise ValueError("feature 'mix' needs num_layers (the L+1 hidden-state layers)")
         if input_dim < 1 or any(h < 1 for h in hidden):
             raise ValueError(f"input_dim and hidden widths must be positive, got {input_dim}, {hidden}")
-        self.save_hyperparameters()
+        # the constructor's arguments: a clean copy is ProbeMLP(**probe.hparams); probe.json records them
+        self.hparams: dict[str, Any] = {
+            "input_dim": input_dim,
+            "hidden": list(hidden),
+            "feature": feature,
+            "num_layers": num_layers,
+            "lr": lr,
+            "betas": tuple(betas),
+            "weight_decay": weight_decay,
+        }
         self.feature, self.input_dim, self.num_layers = feature, input_dim, num_layers
         shape = (num_layers, input_dim) if feature == "mix" else (input_dim,)
         self.register_buffer("mu", torch.zeros(shape))
@@ -85,24 +94,6 @@ class ProbeMLP(L.LightningModule):
             w = torch.softmax(self.layer_logits, dim=0)  # (L+1,)
             z = torch.einsum("bld,l->bd", z, w)  # (B, D)
         return torch.sigmoid(self.mlp(z)).squeeze(-1)
-
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y.float())
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_mse", loss, on_step=False, on_epoch=True, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_mse", self._loss(batch), on_step=False, on_epoch=True, prog_bar=True)
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return torch.optim.AdamW(
-            self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
-        )
 
 
 class RandomProbe(nn.Module):

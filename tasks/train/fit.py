@@ -106,6 +106,35 @@ def _fit_one(data, variant, masks, cfg, hidden, weight_decay, log_epochs) -> tup
     return best.eval(), epochs
 
 
+class LitProbe(L.LightningModule):
+    """A probe (a plain ``nn.Module``) as Lightning trains it: MSE loss, AdamW with the probe's settings."""
+
+    def __init__(self, probe: ProbeMLP) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.probe(x)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.probe(x), y.float())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_mse", loss, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_mse", self._loss(batch), on_step=False, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        hp = self.probe.hparams
+        return torch.optim.AdamW(
+            self.probe.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), weight_decay=hp["weight_decay"]
+        )
+
+
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
     """Lightning announces the accelerators ("GPU available: False") and a cloud-logging tip at every
@@ -162,10 +191,11 @@ def _fit_quietly(
         deterministic=True,
         default_root_dir=str(project_root() / ".cache" / "lightning"),
     )
-    trainer.fit(probe, train_dl, val_dl)
+    trainer.fit(LitProbe(probe), train_dl, val_dl)
     state, epochs = probe.state_dict(), trainer.current_epoch
     if ckpt.best_model_path:
-        state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+        saved = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+        state = {k.removeprefix("probe."): v for k, v in saved.items()}  # LitProbe's keys -> the probe's
         epochs = int(Path(ckpt.best_model_path).stem.split("epoch=")[-1]) + 1
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return state, epochs

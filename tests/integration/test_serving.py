@@ -73,6 +73,42 @@ def test_the_api_works_from_outside_the_checkout_with_exported_probes_and_no_mlf
     assert not (tmp_path / "home" / "mlruns.db").exists() and not (tmp_path / "mlruns.db").exists()
 
 
+PIPELINE = ("prefect", "mlflow", "ray", "dvc", "lightning", "pytorch_lightning")
+
+
+def test_the_api_and_the_server_run_with_the_pipeline_blocked_from_import(tmp_path, probes_dir):
+    """The core (the API, the server, the CPU runtime, probes from a folder) never imports the pipeline:
+    with Prefect, MLflow, Ray, DVC and Lightning made unimportable, the embedded pair loads from an
+    exported probe folder and the server answers a request."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        for name in {PIPELINE!r}:
+            sys.modules[name] = None  # `import name` fails, as where it is not installed
+        import semspec
+        from fastapi.testclient import TestClient
+        from semspec.flows.serve.app import create_app
+        from semspec.flows.serve.config import ServeConfig
+        spec = semspec.load("embedded", probes={str(probes_dir)!r})
+        with TestClient(create_app(spec, ServeConfig()), base_url="http://127.0.0.1") as client:
+            r = client.post("/v1/chat/completions", json={{"messages": [{{"role": "user", "content": {Q!r}}}],
+                                                          "max_tokens": 16}})
+        print(json.dumps({{"status": r.status_code, "body": r.json()}}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "SEMSPEC_PROJECT"))}
+    env |= {"SEMSPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["status"] == 200, out
+    assert (
+        out["body"]["choices"][0]["message"]["content"] and out["body"]["semspec"]["method"] == "semanticspec"
+    )
+
+
 def test_load_refuses_bad_input_before_any_model_loads(probes_dir):
     import semspec
 
