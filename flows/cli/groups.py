@@ -141,6 +141,18 @@ def services_status() -> None:
         raise typer.Exit(1)
 
 
+@pairs_app.command("list")
+def pairs_list() -> None:
+    """The model pairs this installation knows (conf/pairs/, shipped with the package), each with its
+    description; a pair file of your own works from any folder as `--pair path/to/pair.yaml`."""
+    from semspec.models.project.pairs import list_pairs, load_pair, pairs_dir
+
+    typer.echo(f"pairs in {pairs_dir()}:")
+    for name in list_pairs():
+        pair = or_exit(load_pair, name)
+        typer.echo(f"  {name}: {pair.description or pair.draft.model_id + ' -> ' + pair.target.model_id}")
+
+
 @pairs_app.command("status")
 def pairs_status(profile: ProfileOpt = None) -> None:
     """Each configured pair: up to date (champion probes current and evaluated), or why semspec/retrain

@@ -60,7 +60,10 @@ class Settings:
         """Parse ``env`` (default ``os.environ``); a bad port is a ValueError naming the variable."""
         env = os.environ if env is None else env
         project = Path(env["SEMSPEC_PROJECT_DIR"]).resolve() if env.get("SEMSPEC_PROJECT_DIR") else _REPO
-        home = Path(env["SEMSPEC_HOME"]).expanduser().resolve() if env.get("SEMSPEC_HOME") else project
+        # a checkout keeps its own state; an installed package (no dvc.yaml beside its conf/) keeps it in
+        # the user's home, never in site-packages
+        default_home = project if (project / "dvc.yaml").is_file() else Path.home() / ".semspec"
+        home = Path(env["SEMSPEC_HOME"]).expanduser().resolve() if env.get("SEMSPEC_HOME") else default_home
         return cls(
             project_dir=project,
             home=home,
