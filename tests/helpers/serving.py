@@ -58,7 +58,11 @@ class TinySpec(SemanticSpec):
         settings = self.settings(**overrides)
         if method == "semanticspec":
             dec = SemanticSpecDecoder(
-                self.lms["draft"], self.lms["target"], lambda h: 1.0, lambda h: 0.5, replace(settings, seed=0)
+                self.lms["draft"],
+                self.lms["target"],
+                lambda h: 1.0,
+                lambda h: 0.5,
+                replace(settings, seed=overrides.get("seed", 0)),
             )
         else:
             dec = SingleModelDecoder(self.lms[method], settings, method)
