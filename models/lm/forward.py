@@ -32,12 +32,16 @@ class ForwardMixin:
         all_logits: bool = False,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Cache]:
         """One forward pass. ``ids`` (B, T) -> logits (B, T or 1, V) float32, hidden (B, T, L+1, D) float32, cache.
 
         Logits are computed for the last position only unless ``all_logits``: with a large vocabulary
         (Gemma: 262k) the output head costs as much as the rest of the model per position. A padded
-        batch passes its ``attention_mask`` (B, cached + T) and ``position_ids`` (B, T).
+        batch passes its ``attention_mask`` (B, cached + T) and ``position_ids`` (B, T). ``keep`` (B,)
+        names one position per row whose hidden states are returned, (B, 1, L+1, D): a prompt's prefill
+        needs its last position only, and every layer at every position of a long prompt in float32 is
+        gigabytes (a 7,915-token prompt of the 1.5B model: 1.4 GB).
         """
         if cache is None:
             cache = DynamicCache(config=self.model.config)
@@ -46,6 +50,8 @@ class ForwardMixin:
             and (whole := decode_layer.decode_model(self.model, ids, cache)) is not None
         ):
             logits, hidden = whole  # a decoding call of unpadded rows, the model's layers all in the kernel
+            if keep is not None:
+                hidden = hidden[torch.arange(hidden.shape[0]), keep][:, None]  # (B, 1, L+1, D)
             return logits.float(), hidden.to(torch.float32, memory_format=torch.contiguous_format), cache
         extra = {}
         if attention_mask is not None:
@@ -61,7 +67,13 @@ class ForwardMixin:
             logits_to_keep=0 if all_logits else 1,
             **extra,
         )
-        hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
+        if keep is None:
+            hidden = torch.stack(out.hidden_states, dim=2).float()  # (B, T, L+1, D)
+        else:
+            rows = torch.arange(ids.shape[0])
+            hidden = torch.stack([h[rows, keep] for h in out.hidden_states], dim=1)[
+                :, None
+            ].float()  # (B, 1, L+1, D)
         return out.logits.float(), hidden, out.cache
 
     def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -73,14 +85,19 @@ class ForwardMixin:
 
     @torch.inference_mode()
     def forward_rows(
-        self, caches: list[Cache | None], new_ids: list[list[int]], all_logits: bool = False
+        self,
+        caches: list[Cache | None],
+        new_ids: list[list[int]],
+        all_logits: bool = False,
+        last_only: bool = False,
     ) -> list[tuple[torch.Tensor, torch.Tensor, Cache]]:
         """Feed ``new_ids[b]`` after ``caches[b]`` for every row, in one padded forward.
 
         Each row keeps its own cache: they are stacked left-padded for the forward (the new ids
         right-padded) and split again after it, so no row ever sees another's positions. Returns, per row,
         logits (k_b, V) with ``all_logits`` else (1, V) at its last new position, hidden (k_b, L+1, D) and
-        its cache (the old one extended in place when the row ran alone).
+        its cache (the old one extended in place when the row ran alone). With ``last_only`` each row's hidden
+        states are those of its last new position only, (1, L+1, D) (a prompt's prefill).
         """
         if any(not ids for ids in new_ids):
             raise ValueError("every row needs at least one new token")
@@ -89,7 +106,8 @@ class ForwardMixin:
         if len(caches) == 1 or not stackable(caches, self._layout, width + k):
             rows = []
             for cache, ids in zip(caches, new_ids, strict=True):
-                logits, hidden, cache = self.forward(torch.tensor([ids]), cache, all_logits)
+                keep = torch.tensor([len(ids) - 1]) if last_only else None
+                logits, hidden, cache = self.forward(torch.tensor([ids]), cache, all_logits, keep=keep)
                 rows.append((logits[0], hidden[0], cache))
             return rows
         stacked = stack_caches(self.model.config, caches, lens, width)
@@ -99,18 +117,18 @@ class ForwardMixin:
             ids[b, : len(row)] = torch.tensor(row)
             mask[b, width - lens[b] : width + len(row)] = 1
         pos = torch.tensor(lens)[:, None] + torch.arange(k)[None]  # (B, k)
-        logits, hidden, stacked = self.forward(ids, stacked, all_logits, mask, pos)
         sizes = torch.tensor([len(row) for row in new_ids])
-        last = (
-            self.head(hidden[torch.arange(len(caches)), sizes - 1, -1]) if not all_logits else None
-        )  # (B, V)
+        keep = sizes - 1 if last_only else None
+        logits, hidden, stacked = self.forward(ids, stacked, all_logits, mask, pos, keep=keep)
+        at = torch.zeros_like(sizes) if last_only else sizes - 1  # each row's last position in ``hidden``
+        last = self.head(hidden[torch.arange(len(caches)), at, -1]) if not all_logits else None  # (B, V)
         out = []
         for b, n in enumerate(sizes.tolist()):
             row_logits = logits[b, :n] if last is None else last[b : b + 1]
             out.append(
                 (
                     row_logits,
-                    hidden[b, :n],
+                    hidden[b] if last_only else hidden[b, :n],
                     row_cache(self.model.config, stacked, b, width - lens[b], width + n),
                 )
             )
@@ -131,7 +149,7 @@ class ForwardMixin:
                     f"{self.model_id}: the prompt is {len(row)} tokens and the model's context holds "
                     f"{self.context_window}; shorten the question (it is not truncated)"
                 )
-        outs = self.forward_rows([None] * len(texts), ids)
+        outs = self.forward_rows([None] * len(texts), ids, last_only=True)
         return [
             LMState(text, row, cache, logits[-1], hidden[-1])
             for text, row, (logits, hidden, cache) in zip(texts, ids, outs, strict=True)

@@ -197,10 +197,10 @@ def test_gamma_drafts_several_steps_before_verifying(pair, gamma, monkeypatch):
     ref = SingleModelDecoder(draft, settings, "draft").decode(Q)
     prefills, real = [], type(target).forward_rows
 
-    def counting(self, caches, new_ids, all_logits=False):
+    def counting(self, caches, new_ids, all_logits=False, **kw):
         if self is target:
             prefills.append(len(new_ids))
-        return real(self, caches, new_ids, all_logits)
+        return real(self, caches, new_ids, all_logits, **kw)
 
     monkeypatch.setattr(type(target), "forward_rows", counting)
     res = SemanticSpecDecoder(draft, target, lambda h: 0.1, lambda h: 1.0, settings).decode(Q)
