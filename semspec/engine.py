@@ -345,7 +345,8 @@ class Engine:
             return
         if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
             self._hand_over(key, lane)
-            return
+            if not lane.rows:
+                return  # the rows left waiting for a rewrite are stepped now, not starved while it stays full
         try:
             done = lane.decoder.step(lane.rows)
         except Exception:  # find the culprit: each row alone; only a row that fails alone fails

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from pathlib import Path
 
 from semspec.models.project.settings import HOST
 
@@ -105,6 +106,17 @@ def parse_spec_max_batch(value: str) -> int | None:
     if not value.isdigit():
         raise ValueError(f"--spec-max-batch must be auto, always or a count >= 0, got {value!r}")
     return int(value)
+
+
+def read_key_file(path: Path) -> str:
+    """The API key in ``path`` (its first line, stripped); ValueError when the file is missing or empty."""
+    try:
+        key = path.read_text(encoding="utf-8").strip().splitlines()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+    if not key or not key[0].strip():
+        raise ValueError(f"--api-key-file {path}: the file is empty")
+    return key[0].strip()
 
 
 def is_loopback(host: str) -> bool:

@@ -69,12 +69,19 @@ def _stamp_path(path: Path) -> Path:
 
 def _stat_key(path: Path) -> dict:
     st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    # inode and ctime too: a file replaced in place keeping its size and mtime (touch -r) gets a new ctime
+    return {
+        "path": str(path.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+    }
 
 
 def verify_sha256(path: Path, expected: str, what: str) -> None:
-    """Check ``path`` against ``expected`` (hex sha256). A file already verified with the same size and
-    mtime is not hashed again (a stamp under the cache folder remembers it)."""
+    """Check ``path`` against ``expected`` (hex sha256). A file already verified with the same size, mtime,
+    ctime and inode is not hashed again (a stamp under the cache folder remembers it)."""
     expected = expected.lower()
     stamp = _stamp_path(path)
     key = {**_stat_key(path), "sha256": expected}

@@ -184,9 +184,17 @@ def _card_probe(data: Any, where: str) -> CardProbe:
         hidden = int(data["hidden_size"])
     except (TypeError, ValueError):
         raise ValueError(f"{where}: field 'hidden_size' must be an integer") from None
+    try:
+        return _entry(data, str(rel), hidden)
+    except (TypeError, ValueError, AttributeError) as e:  # metrics {"auroc": [1]}, floors "x", tags [] ...
+        raise ValueError(f"{where}: a malformed field ({type(e).__name__}: {e})") from None
+
+
+def _entry(data: dict, rel: str, hidden: int) -> CardProbe:
+    """The entry's fields converted to their types (a wrong type raises TypeError or ValueError)."""
     floors = data.get("floors") or {}
     return CardProbe(
-        path=str(rel),
+        path=rel,
         model_id=str(data["model_id"]),
         model_sha256=data.get("model_sha256"),
         format=str(data["format"]),

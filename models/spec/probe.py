@@ -27,6 +27,10 @@ SIGMA_FLOOR = 1e-6  # a standard deviation below this counts as constant
 WEIGHTS_FILE = "probe.safetensors"  # tensors only: loading it runs no code
 CONFIG_FILE = "probe.json"  # what module to build around the weights
 FORMAT_VERSION = 1
+# a probe.json from elsewhere is checked before any tensor is allocated: the paper's widest probe is
+# 5120-2048-512-1; these bounds leave room for any real model and refuse a file that asks for gigabytes
+MAX_WIDTH = 65_536
+MAX_DEPTH = 8
 
 
 class ProbeMLP(nn.Module):
@@ -201,6 +205,12 @@ def _build(config: dict[str, Any]) -> nn.Module:
     if config["kind"] == "random":
         return RandomProbe(int(config["input_dim"]), config["feature"], seed=int(config["seed"]))
     if config["kind"] == "mlp":
+        widths = [int(config["input_dim"]), *(int(h) for h in config["hidden"])]
+        if len(widths) > MAX_DEPTH + 1 or any(w > MAX_WIDTH for w in widths):
+            raise ValueError(
+                f"probe widths {widths} exceed what a probe may be ({MAX_DEPTH} hidden layers of at most "
+                f"{MAX_WIDTH}): refused before anything is allocated"
+            )
         return ProbeMLP(
             int(config["input_dim"]),
             [int(h) for h in config["hidden"]],

@@ -258,3 +258,19 @@ def test_a_stopped_engine_refuses():
     engine.stop()
     with pytest.raises(Stopped):
         engine.submit(Request(CHAT, "target", 4, 0.0, 1.0))
+
+
+def test_the_api_key_can_come_from_a_file_and_never_from_both(tmp_path):
+    from typer.testing import CliRunner
+
+    from semspec.flows.cli import app
+    from semspec.flows.serve.config import read_key_file
+
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    assert read_key_file(key) == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_key_file(tmp_path / "empty")
+    r = CliRunner().invoke(app, ["serve", "--api-key", "a", "--api-key-file", str(key), "--pair", "embedded"])
+    assert r.exit_code != 0 and "once" in r.output

@@ -15,6 +15,8 @@ import json, psutil, ray
 from semspec.tasks.ray_utils import init_ray, shutdown_ray
 init_ray()
 assert ray.get(ray.remote(lambda: 1).remote()) == 1
+import time
+time.sleep(2)  # the agents bind their ports as they start
 me = psutil.Process()
 seen = []
 for proc in [me, *me.children(recursive=True)]:
@@ -40,9 +42,9 @@ def test_ray_listens_on_loopback_only_and_requires_a_token(tmp_path):
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, out.stderr[-3000:]
     got = json.loads(lines[0].removeprefix("RESULT "))
-    assert got["token"], "Ray runs with token authentication"
+    assert got["token"], f"Ray runs with token authentication\n{out.stderr[-2000:]}"
     assert len(got["listening"]) >= 3, "gcs_server, raylet and the agents listen somewhere"
     foreign = [x for x in got["listening"] if x[1] not in LOOPBACK]
-    assert not foreign, f"listening beyond loopback: {foreign}"
+    assert not foreign, f"listening beyond loopback: {foreign}\n{out.stderr[-2000:]}"
     token = tmp_path / ".ray" / "auth_token"
     assert token.is_file() and (token.stat().st_mode & 0o077) == 0, "the token is its owner's alone"
