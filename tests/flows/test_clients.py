@@ -10,21 +10,9 @@ from openai import OpenAI
 
 from semspec.models.spec.results import DecodeResult, StepRecord
 from semspec.stops import StopStrings, check_stops
-from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"
 CHAT = [{"role": "user", "content": Q}]
-
-
-@pytest.fixture(scope="module")
-def spec():
-    return TinySpec()
-
-
-@pytest.fixture(scope="module")
-def server(spec):
-    with running_server(spec, max_tokens_limit=64, spec_max_batch=None) as (base, app):
-        yield base, app
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,6 @@ Q = "What is 2 + 3?"
 CHAT = [{"role": "user", "content": Q}]  # what the server decodes for a chat request
 
 
-@pytest.fixture(scope="module")
-def spec():
-    return TinySpec()
-
-
-@pytest.fixture(scope="module")
-def server(spec):
-    with running_server(spec, max_tokens_limit=64, spec_max_batch=None) as (base, app):
-        yield base, app
-
-
 def _client(base: str) -> OpenAI:
     return OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
 

@@ -26,6 +26,18 @@ ROOT = Path(__file__).resolve().parents[2]
 Q = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 
 
+def run_elsewhere(script: str, tmp_path: Path) -> dict:
+    """Run ``script`` in a fresh interpreter from ``tmp_path`` (outside the checkout, no MLflow settings,
+    its own SEMSPEC_HOME); the JSON its last line prints."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "SEMSPEC_PROJECT"))}
+    env |= {"SEMSPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def probes_dir(tmp_path_factory, embedded_pair, draft_lm, target_lm) -> Path:
     """An exported folder of untrained ``all`` probes for the embedded pair."""
@@ -53,13 +65,7 @@ def test_the_api_works_from_outside_the_checkout_with_exported_probes_and_no_mlf
         }}))
         """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "SEMSPEC_PROJECT"))}
-    env |= {"SEMSPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_elsewhere(script, tmp_path)
     assert Path(out["module"]).parent.parent == ROOT  # the installed package, run from elsewhere
     assert "no probes of variant 'mix'" in out["refused"]
     assert out["text"] and out["text"] == "".join(s["text"] for s in out["steps"])
@@ -96,13 +102,7 @@ def test_the_api_and_the_server_run_with_the_pipeline_blocked_from_import(tmp_pa
         print(json.dumps({{"status": r.status_code, "body": r.json()}}))
         """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "SEMSPEC_PROJECT"))}
-    env |= {"SEMSPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_elsewhere(script, tmp_path)
     assert out["status"] == 200, out
     assert (
         out["body"]["choices"][0]["message"]["content"] and out["body"]["semspec"]["method"] == "semanticspec"
