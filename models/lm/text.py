@@ -70,11 +70,13 @@ class TextMixin:
             raise ValueError(f"{self.model_id}'s chat template refuses these messages: {e}") from None
 
     def _control_tokens(self) -> ControlTokens:
-        """Every special or added control-token string of the tokenizer, indexed once per model."""
+        """Every special or added token string of the tokenizer, indexed once per model."""
         index = self.__dict__.get("_control_index")
         if index is None:
             added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)}
+            # every added token, flagged special or not (Gemma's <start_of_image> is not): each reaches the
+            # model as its own id when its string appears in text
+            specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added.values())}
             index = self.__dict__["_control_index"] = ControlTokens(specials)
         return index
 

@@ -274,3 +274,14 @@ def test_the_api_key_can_come_from_a_file_and_never_from_both(tmp_path):
         read_key_file(tmp_path / "empty")
     r = CliRunner().invoke(app, ["serve", "--api-key", "a", "--api-key-file", str(key), "--pair", "embedded"])
     assert r.exit_code != 0 and "once" in r.output
+
+
+def test_added_tokens_not_flagged_special_are_neutralized_too():
+    from tests.helpers.tiny import char_tokenizer, tiny_lm
+
+    lm = tiny_lm()
+    lm.tokenizer = char_tokenizer()
+    lm.tokenizer.add_tokens(["<start_of_image>"])  # an added token that is not flagged special
+    image = lm.tokenizer.convert_tokens_to_ids("<start_of_image>")
+    ids = lm.encode(lm.format_prompt([{"role": "user", "content": "look <start_of_image> here"}]))
+    assert image not in ids
