@@ -21,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -91,20 +92,72 @@ def build(cxx: str, folder: Path, target: str, name: str, source: str) -> Path:
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     stem = f"{name}-{target.lower()}"
     lib = folder / f"{stem}-{key}.so"
-    if lib.is_file():
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(folder)
+    if lib.is_file() and _recorded(lib):
         return lib
-    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / lib.name
         cmd = [cxx, *flags, "-I", str(CSRC), str(CSRC / source), "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed to build the {name} kernel:\n{done.stderr.strip()[-2000:]}")
+        out.chmod(0o700)
+        digest = _sha256(out)
         out.replace(lib)  # atomic: a concurrent build of the same key writes the same bytes
+        _record(lib, digest)
     for stale in folder.glob(f"{stem}-*.so"):
         if stale != lib:
             stale.unlink(missing_ok=True)
+            _digest_path(stale).unlink(missing_ok=True)
     return lib
+
+
+def check_private(path: Path) -> None:
+    """``path`` must be this user's and writable by no one else: a kernel library is code this process
+    runs, so a cache another user could write to is code execution. RuntimeError says what to fix."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(
+            f"{path} is {'not yours' if st.st_uid != os.getuid() else 'writable by others'}: the kernel cache "
+            f"must be private (chmod go-w, or point SEMSPEC_CACHE_DIR at a folder of your own)"
+        )
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record(lib: Path, digest: str) -> None:
+    """Write the library's sha256 beside it (owner-only), read back before every load."""
+    side = _digest_path(lib)
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(digest)
+    tmp.chmod(0o600)
+    tmp.replace(side)
+
+
+def _recorded(lib: Path) -> bool:
+    """Whether ``lib`` is private and has the sha256 recorded when it was built; a library that fails
+    either is deleted (it is built again)."""
+    side = _digest_path(lib)
+    try:
+        check_private(lib)
+        check_private(side)
+        ok = side.read_text().strip() == _sha256(lib)
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok:
+        log.warning(
+            "kernel library %s is not the one built here (owner, permissions or hash): rebuilding", lib
+        )
+        lib.unlink(missing_ok=True)
+        side.unlink(missing_ok=True)
+    return ok
 
 
 def load_best(

@@ -51,10 +51,32 @@ def test_a_kernel_is_built_once_per_key_and_a_new_build_removes_the_old(tmp_path
     lib = build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE)
     stamp = lib.stat().st_mtime_ns
     assert build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE) == lib
-    assert lib.stat().st_mtime_ns == stamp and [p.name for p in tmp_path.iterdir()] == [lib.name]
+    assert lib.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lib.name, lib.name + ".sha256"]
     monkeypatch.setattr(build, "sources_digest", lambda: "another version of csrc/")
     new = build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE)
-    assert new != lib and [p.name for p in tmp_path.iterdir()] == [new.name], "the stale build is gone"
+    assert new != lib, "another key"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [new.name, new.name + ".sha256"], (
+        "the stale one gone"
+    )
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C++ compiler and an AVX2 CPU")
+def test_a_library_changed_after_its_build_is_rebuilt_and_a_shared_cache_refused(tmp_path):
+    cxx = build.compiler()
+    lib = build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE)
+    good = lib.read_bytes()
+    lib.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # one bit flipped: not the library built here
+    assert build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE) == lib
+    assert lib.read_bytes() == good, "rebuilt"
+    lib.chmod(0o777)  # writable by others
+    build.build(cxx, tmp_path, "AVX2", "int8_mm", int8_kernel.SOURCE)
+    assert lib.stat().st_mode & 0o022 == 0, "rebuilt private"
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by others"):
+        build.build(cxx, shared, "AVX2", "int8_mm", int8_kernel.SOURCE)
 
 
 def test_the_key_covers_every_source_the_kernels_include():
