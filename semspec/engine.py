@@ -37,6 +37,18 @@ LaneKey = tuple[str, float, float]  # (method, temperature, top_p)
 DecoderFactory = Callable[[str, float, float], BatchDecoder]
 
 
+def _progress(row: Row) -> tuple:
+    """What a round changes in a row: its steps, its tokens and each model's context and cache length."""
+    states = []
+    for state in (row.draft, row.target):
+        if state is None:
+            states.append(None)
+            continue
+        cache = state.cache.get_seq_length() if state.cache is not None else 0
+        states.append((len(state.ids), cache))
+    return len(row.res.steps), row.res.output_tokens, tuple(states)
+
+
 def _whitespace_tokens(text: str) -> int:
     return len(text.split())
 
@@ -219,7 +231,12 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for req in [*self._pending, *(r for lane in self._lanes.values() for r in lane.requests.values())]:
+        with self._cond:  # the worker may still run after the join's timeout: take a copy under the lock
+            left = [
+                *self._pending,
+                *(r for lane in list(self._lanes.values()) for r in list(lane.requests.values())),
+            ]
+        for req in left:
             self._fail(req, Stopped("the server is shutting down"))
 
     # ----------------------------------------------------------------------------- worker side
@@ -263,6 +280,9 @@ class Engine:
 
     def _take(self) -> list[Request]:
         """Pending requests that fit in the batch, in order; cancelled ones are dropped."""
+        for req in [r for r in self._pending if r.cancelled.is_set()]:  # gone clients free their places
+            self._pending.remove(req)
+            self._fail(req, Stopped("cancelled"))
         taken, room, tokens = [], self.max_batch - self.running, self.tokens_in_batch
         while self._pending and len(taken) < room:
             req = self._pending[0]
@@ -347,11 +367,14 @@ class Engine:
             self._hand_over(key, lane)
             if not lane.rows:
                 return  # the rows left waiting for a rewrite are stepped now, not starved while it stays full
+        before = {row.index: _progress(row) for row in lane.rows}
         try:
             done = lane.decoder.step(lane.rows)
-        except Exception:  # find the culprit: each row alone; only a row that fails alone fails
+        except (
+            Exception
+        ) as e:  # find the culprit: each untouched row alone; only a row that fails alone fails
             log.exception("decoding failed for %d rows of %s; retrying them one by one", len(lane.rows), key)
-            done = self._step_alone(lane)
+            done = self._step_alone(lane, before, e)
         self.rounds += 1
         for row in lane.rows:
             req = lane.requests[row.index]
@@ -374,11 +397,17 @@ class Engine:
             del lane.requests[row.index]
             req.future.set_result(res)
 
-    def _step_alone(self, lane: _Lane) -> list:
+    def _step_alone(self, lane: _Lane, before: dict[int, tuple], error: Exception) -> list:
         """One round of each of the lane's rows by itself, after the batched round failed; a row that
-        fails alone fails its request, the others go on."""
+        fails alone fails its request, the others go on. A row the failed round had already moved (a step
+        recorded, a cache extended: a round is not all-or-nothing) cannot be retried safely and fails with
+        the round's error."""
         done = []
         for row in list(lane.rows):
+            if _progress(row) != before[row.index]:
+                lane.rows.remove(row)
+                self._fail(lane.requests.pop(row.index), error)
+                continue
             try:
                 done += lane.decoder.step([row])
             except Exception as e:
@@ -409,10 +438,15 @@ class Engine:
         lane.rows = [r for r in lane.rows if r.queued is not None]
 
     def _fail(self, req: Request, error: BaseException) -> None:
+        """Fail ``req`` with ``error``: its futures first, then the ``on_done`` callback, whose own error is
+        logged (a failing callback must not leave other requests unresolved)."""
         if not req.admitted.done():
             req.admitted.set_exception(error)
         if req.future.done():
             return
-        if self.on_done is not None:
-            self.on_done(req, None, error)
         req.future.set_exception(error)
+        if self.on_done is not None:
+            try:
+                self.on_done(req, None, error)
+            except Exception:
+                log.exception("on_done failed for request %d", req.id)

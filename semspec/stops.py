@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from semspec.models.spec.grading import extract_answer
 from semspec.models.spec.results import DecodeResult
 
 MAX_STOPS = 4  # OpenAI's limit
@@ -81,4 +82,11 @@ class StopStrings:
             kept.append(step if text == step.text else replace(step, text=text))
             seen += len(step.text)
         text = res.text[:end]
-        return replace(res, text=text, steps=kept, finish_reason="stop", output_tokens=count_tokens(text))
+        return replace(
+            res,
+            text=text,
+            answer=extract_answer(text),  # read from what is returned, not from text past the stop
+            steps=kept,
+            finish_reason="stop",
+            output_tokens=count_tokens(text),
+        )

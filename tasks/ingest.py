@@ -207,10 +207,12 @@ class TraceCache:
             log.info("ingest: %d traces already written (%s)", len(self.done), path)
 
     def key(self, model: str, question: str) -> str:
-        """The key of ``model``'s trace of ``question``."""
-        pair = self.pair
-        who = pair.role(model).model_id if model in ROLES else f"{model}:{pair.name}"
-        return hashlib.sha1(f"{who}|{self.cfg.trace_max_tokens}|{question}".encode()).hexdigest()
+        """The key of ``model``'s trace of ``question``: the model, what shapes its text (its file, prompt,
+        system prompt, template, step delimiter and budget, the split) and the token budget."""
+        spec = self.pair.role(model)
+        shaping = [getattr(spec, name, None) for name in TRACE_SHAPING]
+        text = json.dumps([spec.model_id, shaping, self.cfg.trace_max_tokens, question])
+        return hashlib.sha1(text.encode()).hexdigest()
 
     def __contains__(self, item: tuple[str, str]) -> bool:
         return self.key(*item) in self.done
@@ -220,13 +222,23 @@ class TraceCache:
         k = self.key(model, question)
         self.done[k] = text
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open(self.path, "a+", encoding="utf-8") as f:
+            f.seek(0, 2)
+            if f.tell() and not self._ends_a_line(f):  # the line a kill cut short ends here
+                f.write("\n")
             f.write(json.dumps({"key": k, "model": model, "text": text}) + "\n")
+
+    @staticmethod
+    def _ends_a_line(f) -> bool:
+        f.seek(f.tell() - 1)
+        return f.read(1) == "\n"
 
     def wrapping(self, write: Callable[[str, str], str]) -> Callable[[str, str], str]:
         """``write`` that reads a kept trace instead of writing it again, and keeps what it writes."""
 
         def cached(model: str, question: str) -> str:
+            if model not in ROLES:  # the semanticspec author's chains depend on probes: never kept
+                return write(model, question)
             if (model, question) not in self:
                 self.put(model, question, write(model, question))
             return self.done[self.key(model, question)]
@@ -235,6 +247,11 @@ class TraceCache:
 
 
 TRACE_BATCH = 8  # questions a model writes its chains for at once (greedy, continuous batching)
+# what of a model's spec shapes the chains it writes, besides its id (a trace's key holds them)
+TRACE_SHAPING = (
+    "sha256", "gguf_file", "dtype", "prompt", "plain_template", "system_prompt", "delimiter",
+    "max_step_tokens", "split",
+)  # fmt: skip
 
 
 def write_traces_batched(
@@ -245,8 +262,10 @@ def write_traces_batched(
     lm_of: Callable[[str], LM],
 ) -> None:
     """Every chain a model author (``draft``, ``target``, or ``data`` with ``generate_traces``) still owes,
-    written ``TRACE_BATCH`` questions at a time (``write_chains``) and kept in ``cache`` as each finishes:
-    greedy chains as ``write_trace`` writes them, several times faster than one question at a time."""
+    written ``TRACE_BATCH`` questions at a time (``write_chains``, the batched greedy step decoder) and kept
+    in ``cache`` as each finishes, several times faster than one question at a time. Its chains are the
+    greedy steps the decoders write; ``write_trace`` (one question, each step re-read as text) may differ
+    from them by a token where a step's text tokenizes otherwise when read back."""
     for author in authors:
         model = (
             author if author in ROLES else ("target" if author == "data" and cfg.generate_traces else None)

@@ -75,11 +75,19 @@ def ensure_auth_token() -> Path | None:
     if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") or not path:
         return None
     token = Path(path)
-    if not token.is_file():
+    if not token.is_file() or not token.read_text(encoding="utf-8").strip():  # none, or a cut write
         token.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp = token.with_name(f"{token.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, token)  # the first process's token wins; a concurrent one reads it
+        except FileExistsError:
+            if not token.read_text(encoding="utf-8").strip():
+                os.replace(tmp, token)
+        finally:
+            tmp.unlink(missing_ok=True)
     return token
 
 

@@ -125,7 +125,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def host_name(value: str) -> str:
-    """The name of a ``Host`` header, without its port (``[::1]:8000`` -> ``[::1]``)."""
+    """The name of a ``Host`` header, lower-cased, without its port (``[::1]:8000`` -> ``[::1]``)."""
+    value = value.lower()
     if value.startswith("["):
         return value.split("]", 1)[0] + "]"
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value

@@ -54,22 +54,30 @@ class ControlTokens:
         firsts = "".join(sorted({t[0] for t in self.tokens}))
         self._starts = re.compile(f"[{re.escape(firsts)}]") if firsts else None
 
-    def neutralize(self, text: str) -> str:
-        """``text`` with every control-token string broken after its first character (leftmost, longest
-        first), so a tokenizer reads it as the plain characters a user typed."""
+    def find(self, text: str) -> list[tuple[int, str]]:
+        """Every control-token string in ``text`` as (start, token), left to right, longest first where
+        several start at one place, never overlapping."""
         if self._starts is None:
-            return text
-        out, last = [], 0
+            return []
+        hits, last = [], 0
         for m in self._starts.finditer(text):
             i = m.start()
             if i < last:
                 continue
             for n in self.lengths:
-                token = text[i : i + n]
-                if token in self.tokens:
-                    out += [text[last:i], token[0], _BREAK, token[1:]]
+                if text[i : i + n] in self.tokens:
+                    hits.append((i, text[i : i + n]))
                     last = i + n
                     break
+        return hits
+
+    def neutralize(self, text: str) -> str:
+        """``text`` with every control-token string broken after its first character (leftmost, longest
+        first), so a tokenizer reads it as the plain characters a user typed."""
+        out, last = [], 0
+        for i, token in self.find(text):
+            out += [text[last:i], token[0], _BREAK, token[1:]]
+            last = i + len(token)
         return "".join(out) + text[last:] if out else text
 
 

@@ -108,15 +108,25 @@ class TextMixin:
         """Ids of ``new_text`` as it tokenizes after ``prev_text`` (falls back to standalone tokenization
         when the boundary would merge tokens with the cached context). Control-token strings in
         ``new_text`` (a model's own text, or a user's prefilled reply) are read as plain characters."""
-        if self._control_tokens().neutralize(new_text) != new_text:
-            # model text that spells a control token stays plain text: it never becomes a control id
-            return list(
-                self.tokenizer(new_text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-            )
+        if hits := self._control_tokens().find(new_text):
+            # model text that spells a control token stays plain text: each such string is read in two
+            # pieces, so it never becomes the control id (split_special_tokens would flip a setting of the
+            # tokenizer that other threads read)
+            ids, last = [], 0
+            for i, token in hits:
+                ids += (
+                    self._plain_ids(new_text[last:i]) + self._plain_ids(token[0]) + self._plain_ids(token[1:])
+                )
+                last = i + len(token)
+            return ids + self._plain_ids(new_text[last:])
         full = self.encode(prev_text + new_text)
         if full[: len(prev_ids)] == prev_ids:
             return full[len(prev_ids) :]
         return list(self.tokenizer(new_text, add_special_tokens=False)["input_ids"])
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """Ids of ``text`` alone, no special tokens added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def check_stop(self, toks: list[int]) -> tuple[str, str] | None:
         """(text, reason) when ``toks`` ends the step, else None."""

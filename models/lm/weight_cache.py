@@ -165,6 +165,7 @@ def _load(folder: Path, fmt: Format, trust_remote_code: bool) -> tuple:
             parent, _, child = name.rpartition(".")
             bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in names else None
             q, scales = f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales")
+            _check_stored(name, model.get_submodule(name), layout, q, bias)
             layer = QuantLinear.from_stored(fmt, layout, q, scales, bias)
             model.get_submodule(parent).register_module(child, layer)
         for name, t in list(_tensors(model)):
@@ -176,6 +177,24 @@ def _load(folder: Path, fmt: Format, trust_remote_code: bool) -> tuple:
         model.generation_config = GenerationConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     return tokenizer, model.eval()
+
+
+def _check_stored(
+    name: str, module: nn.Module, layout: dict, q: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """A stored quantized layer must fit the module it replaces before a kernel reads it by pointer: its
+    widths are the module's, its packed weights hold exactly in x out x bits, its bias is (out,).
+    ValueError (the entry is deleted and rebuilt) otherwise."""
+    n_in, n_out, bits = int(layout["in"]), int(layout["out"]), int(layout["bits"])
+    want = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    if (n_in, n_out) != want:
+        raise ValueError(f"{name}: stored widths {(n_in, n_out)}, the model's layer {want}")
+    if q.numel() * q.element_size() * 8 != n_in * n_out * bits:
+        raise ValueError(
+            f"{name}: stored weights of {q.numel()} x {q.dtype} do not hold {n_out} x {n_in} x {bits} bits"
+        )
+    if bias is not None and tuple(bias.shape) != (n_out,):
+        raise ValueError(f"{name}: stored bias of shape {tuple(bias.shape)}, the layer has {n_out} outputs")
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -206,7 +206,8 @@ def _build(config: dict[str, Any]) -> nn.Module:
         return RandomProbe(int(config["input_dim"]), config["feature"], seed=int(config["seed"]))
     if config["kind"] == "mlp":
         widths = [int(config["input_dim"]), *(int(h) for h in config["hidden"])]
-        if len(widths) > MAX_DEPTH + 1 or any(w > MAX_WIDTH for w in widths):
+        layers = int(config.get("num_layers") or 0)
+        if len(widths) > MAX_DEPTH + 1 or any(w > MAX_WIDTH for w in widths) or layers > MAX_WIDTH:
             raise ValueError(
                 f"probe widths {widths} exceed what a probe may be ({MAX_DEPTH} hidden layers of at most "
                 f"{MAX_WIDTH}): refused before anything is allocated"

@@ -285,3 +285,31 @@ def test_added_tokens_not_flagged_special_are_neutralized_too():
     image = lm.tokenizer.convert_tokens_to_ids("<start_of_image>")
     ids = lm.encode(lm.format_prompt([{"role": "user", "content": "look <start_of_image> here"}]))
     assert image not in ids
+
+
+class _HalfDone(_Failing):
+    """A decoder whose batched round records a step in its first row, then fails: a round is not
+    all-or-nothing."""
+
+    def step(self, rows):
+        if len(rows) > 1 and not self.bad:  # the first batched round only
+            from semspec.models.spec.results import StepRecord
+
+            self.bad.add(rows[0].index)
+            rows[0].res.steps.append(StepRecord("target", "half", 0, 1))
+            raise RuntimeError("failed midway")
+        return self.inner.step(rows)
+
+
+def test_a_row_the_failed_round_had_moved_fails_and_untouched_rows_are_retried():
+    spec = TinySpec()
+    engine = Engine(lambda m, t, p: _HalfDone(spec.decoder(m, temperature=t, top_p=p), set()), max_batch=3)
+    reqs = [engine.submit(Request(CHAT, "target", 16, 0.0, 1.0)) for _ in range(3)]
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="midway"):
+            reqs[0].future.result(30)
+        alone = spec.generate(CHAT, method="target", max_new_tokens=16).text
+        assert [r.future.result(30).text for r in reqs[1:]] == [alone, alone]
+    finally:
+        engine.stop()

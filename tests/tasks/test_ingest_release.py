@@ -63,3 +63,17 @@ def test_a_killed_ingest_keeps_its_chains_and_writes_only_the_rest(tmp_path, mon
     assert len(written) == 10 - 3, "only the chains the killed run had not written"
     assert set(first) <= {r["question"] for r in rows}
     assert {r["context"].split(" ")[0] for r in rows if r["step_index"] > 0} == {"target", "draft"}
+
+
+def test_a_trace_line_cut_by_a_kill_does_not_swallow_the_next(tmp_path):
+    pair = write_tiny_pair(tmp_path / "pair")
+    cfg = load_params().ingest
+    path = tmp_path / "traces.jsonl"
+    cache = ingest.TraceCache(path, cfg, pair)
+    cache.put("target", "q1", "one")
+    path.write_text(path.read_text() + '{"key": "cut sho')  # a kill mid-write
+    again = ingest.TraceCache(path, cfg, pair)
+    again.put("target", "q2", "two")
+    third = ingest.TraceCache(path, cfg, pair)
+    assert ("target", "q1") in third and ("target", "q2") in third
+    assert third.key("target", "q1") != third.key("draft", "q1")
