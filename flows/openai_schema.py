@@ -176,6 +176,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: dict[str, int] | None = None  # reasoning_tokens, for a model that thinks
 
 
 class ErrorBody(BaseModel):

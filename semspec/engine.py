@@ -21,14 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
 from itertools import count
 
-from semspec.models.lm import Prompt
+from semspec.lanes import Lane, progress, step_callback
 from semspec.models.spec.batching import BatchDecoder, Job, Row
 from semspec.models.spec.names import PROBE_METHOD
-from semspec.models.spec.results import DecodeResult, StepRecord, finish_result
+from semspec.models.spec.results import DecodeResult, finish_result
+from semspec.request import Overloaded, Request, Stopped, TooLarge
 from semspec.stops import StopStrings
 
 log = logging.getLogger(__name__)
@@ -37,85 +36,13 @@ LaneKey = tuple[str, float, float]  # (method, temperature, top_p)
 DecoderFactory = Callable[[str, float, float], BatchDecoder]
 
 
-def _progress(row: Row) -> tuple:
-    """What a round changes in a row: its steps, its tokens and each model's context and cache length."""
-    states = []
-    for state in (row.draft, row.target):
-        if state is None:
-            states.append(None)
-            continue
-        cache = state.cache.get_seq_length() if state.cache is not None else 0
-        states.append((len(state.ids), cache))
-    return len(row.res.steps), row.res.output_tokens, tuple(states)
+def may_speculate(spec_max_batch: int | None, rows: int) -> bool:
+    """Whether SemanticSpec speculates with ``rows`` requests in flight."""
+    return spec_max_batch is None or rows <= spec_max_batch
 
 
 def _whitespace_tokens(text: str) -> int:
     return len(text.split())
-
-
-class Overloaded(RuntimeError):
-    """The queue is full: the request was not taken (a server answers 429 with Retry-After)."""
-
-
-class Stopped(RuntimeError):
-    """The engine stopped before the request finished."""
-
-
-class TooLarge(ValueError):
-    """The request alone needs more tokens than the batch may hold (a server answers 400)."""
-
-
-@dataclass
-class Request:
-    """One prompt to decode, as a client asked for it."""
-
-    prompt: Prompt
-    method: str
-    # the caller's values (the server's: the request's, else the params' evaluate.decode): no defaults here
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None = None
-    on_step: Callable[[StepRecord], None] | None = None  # called from the engine's thread
-    prompt_tokens: int = 0  # the prompt's tokens (counted before submitting): admission's token budget
-    stop: tuple[str, ...] = ()  # OpenAI's stop strings: the answer ends before the first match
-    # set by the engine
-    id: int = -1
-    future: Future = field(default_factory=Future)  # the DecodeResult
-    admitted: Future = field(default_factory=Future)  # True once its row is in the batch (prompt read)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    solo: bool = False  # SemanticSpec under load: in the target's lane (the target writes the rest)
-    spec_rounds: int = 0  # rounds in which it speculated (SemanticSpec)
-    solo_rounds: int = 0  # rounds in which the target wrote its step alone because the batch was full
-    submitted: float = 0.0
-    started: float | None = None  # when its row joined a batch (queue wait = started - submitted)
-    stops: StopStrings | None = None  # reads its steps for ``stop`` (set by ``submit``)
-
-    @property
-    def tokens(self) -> int:
-        """What the request may hold in the batch: its prompt and its whole budget of new tokens."""
-        return self.prompt_tokens + self.max_new_tokens
-
-    @property
-    def speculation(self) -> bool:
-        """Whether it speculated in every round (never switched off under load)."""
-        return self.solo_rounds == 0
-
-    @property
-    def ran_as(self) -> str:
-        """The method that decoded it: the target where speculation was off in every round."""
-        return "target" if self.method == PROBE_METHOD and self.solo and not self.spec_rounds else self.method
-
-    def cancel(self) -> None:
-        """Drop the request: its row leaves the batch at the next round (a client that went away)."""
-        self.cancelled.set()
-
-
-@dataclass
-class _Lane:
-    decoder: BatchDecoder
-    rows: list[Row] = field(default_factory=list)
-    requests: dict[int, Request] = field(default_factory=dict)
 
 
 class Engine:
@@ -160,7 +87,7 @@ class Engine:
         self.count_tokens = count_tokens or _whitespace_tokens
         self.error: BaseException | None = None  # what killed the worker thread (None: alive)
         self._pending: deque[Request] = deque()
-        self._lanes: dict[LaneKey, _Lane] = {}
+        self._lanes: dict[LaneKey, Lane] = {}
         self._cond = threading.Condition()
         self._ids = count()
         self._stop = False
@@ -212,7 +139,7 @@ class Engine:
                     f"{len(self._pending)} requests are waiting (the queue holds {self.max_queue})"
                 )
             request.id, request.submitted = next(self._ids), time.perf_counter()
-            request.stops = StopStrings(request.stop) if request.stop else None
+            request.stops = StopStrings(request.stop, after=request.think_end) if request.stop else None
             self._pending.append(request)
             self._cond.notify()
         return request
@@ -241,9 +168,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------- worker side
     def _loop(self) -> None:
-        """The worker: rounds until stopped. An error outside a lane's own decode (a callback, a
-        hand-over) kills it: every request in flight and waiting fails with it, :attr:`alive` turns
-        False and ``submit`` refuses new work, so nothing hangs on a thread that is gone."""
+        """The worker: rounds until stopped. An error outside a lane's decode kills it: every request in
+        flight and waiting fails with it, ``alive`` turns False and ``submit`` refuses new work."""
         try:
             self._rounds()
         except BaseException as e:
@@ -295,14 +221,14 @@ class Engine:
             self._pending.popleft()
             tokens += req.tokens
             in_flight = self.running + len(taken) + 1 + len(self._pending)
-            req.solo = req.method == PROBE_METHOD and not self._may_speculate(in_flight)
+            req.solo = req.method == PROBE_METHOD and not may_speculate(self.spec_max_batch, in_flight)
             taken.append(req)
         return taken
 
-    def _lane(self, req: Request) -> tuple[LaneKey, _Lane]:
+    def _lane(self, req: Request) -> tuple[LaneKey, Lane]:
         key = ("target" if req.solo else req.method, float(req.temperature), float(req.top_p))
         if key not in self._lanes:
-            self._lanes[key] = _Lane(self.decoders(*key))
+            self._lanes[key] = Lane(self.decoders(*key))
         return key, self._lanes[key]
 
     def _admit(self, requests: list[Request]) -> None:
@@ -329,21 +255,11 @@ class Engine:
                         self._fail(req, e)
             lane.rows += rows
 
-    def _admit_rows(self, lane: _Lane, reqs: list[Request]) -> list[Row]:
+    def _admit_rows(self, lane: Lane, reqs: list[Request]) -> list[Row]:
         jobs = [Job(r.id, r.prompt, r.max_new_tokens, r.seed) for r in reqs]
         by_id = {r.id: r for r in reqs}
 
-        def on_step(key: int, step: StepRecord) -> None:
-            req = by_id[key]
-            if req.stops is not None:  # only text before a stop string, and none that may begin one
-                text = req.stops.feed(step.text)
-                if not text:
-                    return
-                step = replace(step, text=text)
-            if req.on_step is not None:
-                req.on_step(step)
-
-        rows = lane.decoder.admit(jobs, on_step)
+        rows = lane.decoder.admit(jobs, step_callback(by_id))
         now = time.perf_counter()
         for req in reqs:
             req.started = now
@@ -363,18 +279,20 @@ class Engine:
             self._resolve(lane, row)
         if not lane.rows:
             return
-        if key[0] == PROBE_METHOD and not self._may_speculate(self.running):  # the batch is full
+        if key[0] == PROBE_METHOD and not may_speculate(
+            self.spec_max_batch, self.running
+        ):  # the batch is full
             self._hand_over(key, lane)
             if not lane.rows:
                 return  # the rows left waiting for a rewrite are stepped now, not starved while it stays full
-        before = {row.index: _progress(row) for row in lane.rows}
+        before = {row.index: progress(row) for row in lane.rows}
         try:
             done = lane.decoder.step(lane.rows)
         except (
             Exception
         ) as e:  # find the culprit: each untouched row alone; only a row that fails alone fails
             log.exception("decoding failed for %d rows of %s; retrying them one by one", len(lane.rows), key)
-            done = self._step_alone(lane, before, e)
+            done = lane.step_alone(before, e, self._fail)
         self.rounds += 1
         for row in lane.rows:
             req = lane.requests[row.index]
@@ -386,7 +304,7 @@ class Engine:
         for row in done:
             self._resolve(lane, row)
 
-    def _resolve(self, lane: _Lane, row: Row) -> None:
+    def _resolve(self, lane: Lane, row: Row) -> None:
         """Hand a finished row's result (cut at its stop string, if one matched) to its request."""
         req = lane.requests[row.index]
         res = row.res if req.stops is None else req.stops.cut(row.res, self.count_tokens)
@@ -397,36 +315,13 @@ class Engine:
             del lane.requests[row.index]
             req.future.set_result(res)
 
-    def _step_alone(self, lane: _Lane, before: dict[int, tuple], error: Exception) -> list:
-        """One round of each of the lane's rows by itself, after the batched round failed; a row that
-        fails alone fails its request, the others go on. A row the failed round had already moved (a step
-        recorded, a cache extended: a round is not all-or-nothing) cannot be retried safely and fails with
-        the round's error."""
-        done = []
-        for row in list(lane.rows):
-            if _progress(row) != before[row.index]:
-                lane.rows.remove(row)
-                self._fail(lane.requests.pop(row.index), error)
-                continue
-            try:
-                done += lane.decoder.step([row])
-            except Exception as e:
-                log.exception("request %d failed", row.index)
-                lane.rows.remove(row)
-                self._fail(lane.requests.pop(row.index), e)
-        return done
-
-    def _may_speculate(self, rows: int) -> bool:
-        """Whether SemanticSpec speculates with ``rows`` requests in flight."""
-        return self.spec_max_batch is None or rows <= self.spec_max_batch
-
-    def _hand_over(self, key: LaneKey, lane: _Lane) -> None:
+    def _hand_over(self, key: LaneKey, lane: Lane) -> None:
         """Move SemanticSpec's rows into the target's lane of the same sampling settings: the batch is full,
         and the target writes the rest of their answers there, batched with its own rows."""
         _, temperature, top_p = key
         target_key = ("target", temperature, top_p)
         if target_key not in self._lanes:
-            self._lanes[target_key] = _Lane(self.decoders(*target_key))
+            self._lanes[target_key] = Lane(self.decoders(*target_key))
         into = self._lanes[target_key]
         moving = [r for r in lane.rows if r.queued is None]  # a row waiting for a rewrite moves after it
         for row in moving:
@@ -438,8 +333,7 @@ class Engine:
         lane.rows = [r for r in lane.rows if r.queued is not None]
 
     def _fail(self, req: Request, error: BaseException) -> None:
-        """Fail ``req`` with ``error``: its futures first, then the ``on_done`` callback, whose own error is
-        logged (a failing callback must not leave other requests unresolved)."""
+        """Fail ``req``: its futures first, then ``on_done``, whose own error is only logged."""
         if not req.admitted.done():
             req.admitted.set_exception(error)
         if req.future.done():

@@ -19,6 +19,14 @@ from semspec.models.spec.results import DecodeResult
 MAX_STOPS = 4  # OpenAI's limit
 
 
+def _tail(text: str, strings: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of ``strings`` (it may still match)."""
+    for n in range(min(max(len(s) for s in strings) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-n:]) for s in strings):
+            return n
+    return 0
+
+
 def check_stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     """``stop`` as a tuple of distinct non-empty strings (OpenAI: a string or up to 4); ValueError else."""
     if stop is None:
@@ -34,36 +42,38 @@ def check_stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 class StopStrings:
     """The stop strings of one answer, fed its steps in order."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], after: str | None = None) -> None:
         self.stops = check_stops(list(stops))
         if not self.stops:
             raise ValueError("StopStrings needs at least one stop string")
+        self.after = after  # a marker (a thinking model's end of reasoning) before which no stop acts
         self.longest = max(len(s) for s in self.stops)
         self.text = ""  # the answer so far, as its steps gave it
         self.released = 0  # characters of ``text`` released (streamed)
         self.stopped = False  # a stop string matched; ``released`` is where the answer ends
+        self.open_at: int | None = 0 if after is None else None  # where stop strings start to act
 
     def feed(self, step_text: str) -> str:
         """Read the next step; return the text that may be released now (empty once stopped)."""
         if self.stopped:
             return ""
-        start = max(0, len(self.text) - self.longest + 1)  # a match may begin in text already read
+        before = len(self.text)
         self.text += step_text
+        if self.open_at is None:  # still before the marker: no stop acts; hold what may begin it
+            i = self.text.find(self.after)
+            if i < 0:
+                return self._release(len(self.text) - _tail(self.text, (self.after,)))
+            self.open_at = before = i + len(self.after)
+        start = max(self.open_at, before - self.longest + 1)  # a match may begin in text already read
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
         if hits:
-            end, self.stopped = min(hits), True
-        else:
-            end = len(self.text) - self._held()
+            self.stopped = True
+            return self._release(min(hits))
+        return self._release(len(self.text) - _tail(self.text[self.open_at :], self.stops))
+
+    def _release(self, end: int) -> str:
         out, self.released = self.text[self.released : end], max(self.released, end)
         return out
-
-    def _held(self) -> int:
-        """Length of the longest tail of ``text`` that begins some stop string (it may still match)."""
-        for n in range(min(self.longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
 
     def rest(self) -> str:
         """What is still held back once the answer ended without a match (to be released last)."""

@@ -4,7 +4,7 @@ Each command parses its options and calls a stage or task function. The commands
 modules when they run, not at the top: ``semspec --help``, ``semspec env`` and the service commands must not
 pay for torch, transformers and MLflow (seconds). This module builds ``app`` from the command modules:
 ``stages`` (one command per pipeline stage), ``groups`` and ``probes`` (the command groups models, data,
-judge, services, pairs, probes), ``decoding`` (grade, decode, bench, serve) and ``pipeline`` (env,
+judge, services, pairs, probes), ``decoding`` (grade, decode, bench), ``serving`` (serve) and ``pipeline`` (env,
 deployments, run, register, report); ``common`` holds the options they share.
 """
 
@@ -15,9 +15,10 @@ from typing import Annotated
 
 import typer
 
-from semspec.flows.cli.decoding import bench, decode, grade, serve
+from semspec.flows.cli.decoding import bench, decode, grade
 from semspec.flows.cli.groups import GROUPS
 from semspec.flows.cli.pipeline import deployments_app, env_cmd, register, report, run
+from semspec.flows.cli.serving import serve
 from semspec.flows.cli.stages import add_stage_commands
 
 app = typer.Typer(

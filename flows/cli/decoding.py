@@ -7,7 +7,6 @@ starts without torch. ``semspec.flows.cli`` registers these functions as command
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -165,98 +164,3 @@ def bench(
         )
     )
     typer.echo(json.dumps(summary, indent=2) if json_out else table)
-
-
-def serve(
-    pair: PairOpt = None,
-    probes: Annotated[
-        str | None,
-        typer.Option(
-            help="Exported probes: a folder or a Hub repo id (default: the local registry's champions)."
-        ),
-    ] = None,
-    probe: Annotated[
-        str, typer.Option(help="Probe variant (all, last, mix, random); 'none' serves baselines only.")
-    ] = "all",
-    host: Annotated[
-        str, typer.Option(help="Address to bind; another than loopback needs --api-key.")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="SEMSPEC_API_KEY",
-            help="Required as 'Authorization: Bearer KEY' (the variable or --api-key-file keeps it out of ps).",
-        ),
-    ] = None,
-    api_key_file: Annotated[
-        Path | None, typer.Option(help="A file holding the API key (its first line).", dir_okay=False)
-    ] = None,
-    max_batch: Annotated[int, typer.Option(help="Rows decoded at once (continuous batching).")] = 8,
-    max_queue: Annotated[int, typer.Option(help="Requests that may wait; one more is answered 429.")] = 64,
-    spec_max_batch: Annotated[
-        str,
-        typer.Option(
-            help="Requests in flight up to which SemanticSpec speculates (above: the target alone): auto "
-            "(measured per CPU kind, conf/serving.yaml), always, or a count."
-        ),
-    ] = "auto",
-    max_tokens_limit: Annotated[int, typer.Option(help="The largest max_tokens a request may ask.")] = 2048,
-    replicas: Annotated[
-        int, typer.Option(help="0: one process (uvicorn); N >= 1: N replicas under Ray Serve.")
-    ] = 0,
-    max_body_bytes: Annotated[int, typer.Option(help="A request body's bytes; more is answered 413.")] = 1
-    << 20,
-    body_timeout: Annotated[
-        float, typer.Option(help="Seconds to receive a body; slower is answered 408.")
-    ] = 10.0,
-    max_messages: Annotated[int, typer.Option(help="A chat's messages.")] = 256,
-    max_prompt_chars: Annotated[
-        int, typer.Option(help="A prompt's characters, every message together.")
-    ] = 200_000,
-    max_prompt_tokens: Annotated[int, typer.Option(help="A prompt's tokens, in either model.")] = 4096,
-    max_batch_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens (prompt + max_tokens) the batch's rows may hold together (default: room for "
-            "--max-batch rows of the largest request)."
-        ),
-    ] = None,
-    limit_concurrency: Annotated[int, typer.Option(help="Open connections; one more is answered 503.")] = 256,
-    timeout_keep_alive: Annotated[int, typer.Option(help="Seconds an idle keep-alive connection stays.")] = 5,
-    public_metrics: Annotated[
-        bool, typer.Option(help="Serve /metrics without the API key (a scraper on a trusted network).")
-    ] = False,
-) -> None:
-    """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
-    /metrics); concurrent requests are decoded together."""
-    from semspec.flows.serve.app import run_server
-    from semspec.flows.serve.config import ServeConfig, parse_spec_max_batch, read_key_file
-
-    if api_key_file is not None:
-        if api_key:
-            raise typer.BadParameter("give the key once: --api-key (SEMSPEC_API_KEY) or --api-key-file")
-        api_key = or_exit(lambda: read_key_file(api_key_file))
-    cfg = or_exit(
-        lambda: ServeConfig(
-            host=host,
-            port=port,
-            api_key=api_key,
-            max_batch=max_batch,
-            max_queue=max_queue,
-            spec_max_batch=parse_spec_max_batch(spec_max_batch),
-            max_tokens_limit=max_tokens_limit,
-            max_body_bytes=max_body_bytes,
-            body_timeout=body_timeout,
-            max_messages=max_messages,
-            max_prompt_chars=max_prompt_chars,
-            max_prompt_tokens=max_prompt_tokens,
-            max_batch_tokens=max_batch_tokens,
-            limit_concurrency=limit_concurrency,
-            timeout_keep_alive=timeout_keep_alive,
-            public_metrics=public_metrics,
-        )
-    )
-    if replicas < 0:
-        raise typer.BadParameter("must be >= 0", param_hint="--replicas")
-    or_exit(lambda: run_server(pair, probes, None if probe == "none" else probe, cfg, replicas))

@@ -24,6 +24,7 @@ from semspec.flows.serve.guard import Guard
 from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, error_response
 from semspec.flows.serve.routes import Served, api_router
+from semspec.thinking import thinks
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2  # what a 429 tells the client to wait
@@ -63,6 +64,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     """The FastAPI app serving ``spec`` (loaded once) with one engine, started and stopped with the app."""
     metrics = ServeMetrics(cfg.spec_max_batch)
+    target = spec.lms["target"]
+
+    def count(text: str) -> int:  # a text's tokens in the target's tokenizer
+        return len(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     engine = Engine(
         lambda method, t, p: spec.decoder(method, temperature=t, top_p=p),
         cfg.max_batch,
@@ -70,9 +76,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         cfg.spec_max_batch,
         metrics.done,
         max_batch_tokens=cfg.batch_tokens,
-        count_tokens=lambda text: len(
-            spec.lms["target"].tokenizer(text, add_special_tokens=False)["input_ids"]
-        ),
+        count_tokens=count,
     )
     metrics.watch(engine)
     app = FastAPI(title="semspec", version="0.1.0", lifespan=_lifespan)
@@ -87,6 +91,8 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         spec_max_batch=cfg.spec_max_batch,
         limits=cfg,
         prompts=ThreadPoolExecutor(cfg.prompt_workers, thread_name_prefix="semspec-prompt"),
+        thinks=thinks(getattr(target.tokenizer, "chat_template", None)),
+        count_tokens=count,
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)

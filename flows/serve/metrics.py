@@ -16,8 +16,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from semspec.engine import Engine, Request
+from semspec.engine import Engine
 from semspec.models.spec.results import DecodeResult
+from semspec.request import Request
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from semspec.api import Step
-from semspec.engine import Request as Job
 from semspec.flows.openai_schema import StepOut, Trace, Usage
 from semspec.models.spec.results import DecodeResult
+from semspec.request import Request as Job
+from semspec.thinking import ThinkSplit, split_reasoning
 
 
 class ApiError(Exception):
@@ -44,6 +45,8 @@ class Reply:
     kind: str  # chat or completion
     model_id: str  # the served pair's name
     spec_max_batch: int | None  # the server's threshold, reported in the trace
+    thinks: bool = False  # a chat of a model that thinks first: reasoning_content apart from content
+    count_tokens: Callable[[str], int] | None = None  # a text's tokens (the reasoning's, in the usage)
 
 
 def _trace(job: Job, res: DecodeResult | None, spec_max_batch: int | None, with_steps: bool = True) -> Trace:
@@ -65,11 +68,22 @@ def _trace(job: Job, res: DecodeResult | None, spec_max_batch: int | None, with_
     )
 
 
-def _usage(res: DecodeResult) -> Usage:
+def _usage(res: DecodeResult, reasoning_tokens: int | None = None) -> Usage:
     prompt = int(res.extra.get("prompt_tokens", 0))
+    details = None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
     return Usage(
-        prompt_tokens=prompt, completion_tokens=res.output_tokens, total_tokens=prompt + res.output_tokens
+        prompt_tokens=prompt,
+        completion_tokens=res.output_tokens,
+        total_tokens=prompt + res.output_tokens,
+        completion_tokens_details=details,
     )
+
+
+def _reasoning_tokens(reply: Reply, res: DecodeResult) -> int | None:
+    """Tokens of a thinking model's reasoning (None for other answers)."""
+    if not (reply.thinks and reply.kind == "chat" and reply.count_tokens):
+        return None
+    return reply.count_tokens(split_reasoning(res.text)[0])
 
 
 def _finish(res: DecodeResult) -> str:
@@ -83,24 +97,24 @@ def completion_body(reply: Reply, job: Job, res: DecodeResult) -> dict[str, Any]
         "id": reply.rid,
         "created": int(time.time()),
         "model": reply.model_id,
-        "usage": _usage(res).model_dump(),
+        "usage": _usage(res, _reasoning_tokens(reply, res)).model_dump(exclude_none=True),
     }
     semspec = _trace(job, res, reply.spec_max_batch).model_dump()
     if reply.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": res.text},
-            "finish_reason": _finish(res),
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": res.text}
+        if reply.thinks:
+            message["reasoning_content"], message["content"] = split_reasoning(res.text)
+        choice = {"index": 0, "message": message, "finish_reason": _finish(res)}
         return {**common, "object": "chat.completion", "choices": [choice], "semspec": semspec}
     choice = {"index": 0, "text": res.text, "finish_reason": _finish(res), "logprobs": None}
     return {**common, "object": "text_completion", "choices": [choice], "semspec": semspec}
 
 
-def _chunk(reply: Reply, text: str | None, finish: str | None, extra: dict) -> str:
-    """One server-sent event of a streamed completion."""
+def _chunk(reply: Reply, text: str | None, finish: str | None, extra: dict, field: str = "content") -> str:
+    """One server-sent event of a streamed completion (a chat's text as its ``field``: ``content`` or a
+    thinking model's ``reasoning_content``)."""
     if reply.kind == "chat":
-        delta = {} if text is None else {"content": text}
+        delta = {} if text is None else {field: text}
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -124,9 +138,11 @@ async def stream_events(reply: Reply, job: Job, steps: asyncio.Queue, usage: boo
     try:
         if chat:
             yield _chunk(reply, None, None, {}).replace('"delta": {}', '"delta": {"role": "assistant"}', 1)
+        split = ThinkSplit() if reply.thinks and chat else None
         while (step := await steps.get()) is not None:
             out = StepOut(**Step.from_record(step).to_dict()).model_dump()
-            yield _chunk(reply, step.text, None, {"semspec": {"step": out}})
+            for text, field in _parts(split, step.text):
+                yield _chunk(reply, text, None, {"semspec": {"step": out}}, field)
         try:
             res = job.future.result()
         except Exception:  # the server's log has the error; the client gets no internals
@@ -134,8 +150,10 @@ async def stream_events(reply: Reply, job: Job, steps: asyncio.Queue, usage: boo
             yield f"data: {json.dumps({'error': err})}\n\n"
             yield "data: [DONE]\n\n"
             return
-        if job.stops is not None and (rest := job.stops.rest()):  # the tail held back for a stop string
-            yield _chunk(reply, rest, None, {})
+        rest = job.stops.rest() if job.stops is not None else ""  # the tail held back for a stop string
+        for text, field in [*_parts(split, rest), *(((split.rest(), "reasoning_content"),) if split else ())]:
+            if text:
+                yield _chunk(reply, text, None, {}, field)
         semspec = _trace(job, res, reply.spec_max_batch, with_steps=False).model_dump()
         yield _chunk(reply, None if chat else "", _finish(res), {"semspec": semspec})
         if usage:
@@ -145,10 +163,18 @@ async def stream_events(reply: Reply, job: Job, steps: asyncio.Queue, usage: boo
                 "created": int(time.time()),
                 "model": reply.model_id,
                 "choices": [],
-                "usage": _usage(res).model_dump(),
+                "usage": _usage(res, _reasoning_tokens(reply, res)).model_dump(exclude_none=True),
             }
             yield f"data: {json.dumps(tail)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         if not job.future.done():  # the client went away mid-stream: its row leaves the batch
             job.cancel()
+
+
+def _parts(split: ThinkSplit | None, text: str) -> list[tuple[str, str]]:
+    """``text`` as (text, delta field) parts: all ``content``, or a thinking model's reasoning and content."""
+    if split is None:
+        return [(text, "content")] if text else []
+    reasoning, content = split.feed(text)
+    return [(t, f) for t, f in ((reasoning, "reasoning_content"), (content, "content")) if t]

@@ -25,8 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, create_model
 
 from semspec.api import SemanticSpec
-from semspec.engine import Engine, Overloaded, Stopped, TooLarge
-from semspec.engine import Request as Job
+from semspec.engine import Engine
 from semspec.flows.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -42,7 +41,10 @@ from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, Reply, completion_body, stream_events
 from semspec.models.lm import RawPrompt, check_messages
 from semspec.models.spec.results import DecodeResult
+from semspec.request import Overloaded, Stopped, TooLarge
+from semspec.request import Request as Job
 from semspec.stops import check_stops
+from semspec.thinking import END as THINK_END
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class Served:
     spec_max_batch: int | None  # SemanticSpec speculates while at most this many are in flight
     limits: ServeConfig  # what a request may be (messages, characters, prompt tokens)
     prompts: ThreadPoolExecutor  # renders and tokenizes prompts, off the event loop and the engine
+    thinks: bool = False  # the target's chat template thinks first: chats answer reasoning_content apart
+    count_tokens: Callable[[str], int] | None = None  # a text's tokens in the target's tokenizer
 
     @property
     def model_id(self) -> str:
@@ -139,6 +143,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
         on_step=(lambda s: loop.call_soon_threadsafe(steps.put_nowait, s)) if body.stream else None,
         prompt_tokens=prompt_tokens,
         stop=check_stops(body.stop),
+        think_end=THINK_END if served.thinks and kind == "chat" else None,  # no stop acts inside reasoning
     )
     try:
         served.engine.submit(job)
@@ -162,7 +167,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
             500, f"decoding failed (request {job.id}); the server's log has the error", "server_error"
         ) from None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    reply = Reply(rid, kind, served.model_id, served.spec_max_batch)
+    reply = Reply(rid, kind, served.model_id, served.spec_max_batch, served.thinks, served.count_tokens)
     if body.stream:
         job.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(steps.put_nowait, None))
         usage = body.stream_options is not None and body.stream_options.include_usage

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from semspec.engine import Engine, Overloaded, Request
+from semspec.engine import Engine
 from semspec.flows.serve.config import ServeConfig, is_loopback, parse_spec_max_batch
+from semspec.request import Overloaded, Request
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"

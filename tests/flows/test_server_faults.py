@@ -12,9 +12,10 @@ import time
 import httpx
 import pytest
 
-from semspec.engine import Engine, Request, Stopped, TooLarge
+from semspec.engine import Engine
 from semspec.flows.serve.config import ServeConfig
 from semspec.models.lm.prompts import ControlTokens, neutralize
+from semspec.request import Request, Stopped, TooLarge
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"

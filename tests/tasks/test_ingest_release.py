@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from semspec.tasks import ingest
+from semspec.tasks import ingest, traces
 from semspec.tasks.config import load_params
 from semspec.tasks.data import Problem
 from semspec.tasks.decontaminate import benchmark_ngrams, drop_benchmark_questions, ngrams
@@ -48,7 +48,7 @@ def test_a_killed_ingest_keeps_its_chains_and_writes_only_the_rest(tmp_path, mon
             keep(i, f"{role} one ({q[:6]}).\n\n{role} two.\n\n{role} three.")
 
     monkeypatch.setattr(ingest, "load_lm", lambda spec: object())
-    monkeypatch.setattr(ingest, "write_chains", chains)
+    monkeypatch.setattr(traces, "write_chains", chains)
     p = load_params(overrides=["ingest.max_questions=5", "ingest.trace_author=[target,draft]"])
     out = tmp_path / "prefixes.parquet"
     with pytest.raises(KeyboardInterrupt):
@@ -56,7 +56,7 @@ def test_a_killed_ingest_keeps_its_chains_and_writes_only_the_rest(tmp_path, mon
     assert len(trace_cache_path(out).read_text().splitlines()) == 3 and not out.exists()
     first = list(written)
     written.clear()
-    monkeypatch.setattr(ingest, "write_chains", lambda lm, role, qs, n, keep: [
+    monkeypatch.setattr(traces, "write_chains", lambda lm, role, qs, n, keep: [
         (written.append(q), keep(i, f"{role} one ({q[:6]}).\n\n{role} two.\n\n{role} three.")) for i, q in enumerate(qs)
     ])  # fmt: skip
     rows = pq.read_table(run_ingest(p.ingest, pair, out)).to_pylist()
@@ -69,11 +69,11 @@ def test_a_trace_line_cut_by_a_kill_does_not_swallow_the_next(tmp_path):
     pair = write_tiny_pair(tmp_path / "pair")
     cfg = load_params().ingest
     path = tmp_path / "traces.jsonl"
-    cache = ingest.TraceCache(path, cfg, pair)
+    cache = traces.TraceCache(path, cfg, pair)
     cache.put("target", "q1", "one")
     path.write_text(path.read_text() + '{"key": "cut sho')  # a kill mid-write
-    again = ingest.TraceCache(path, cfg, pair)
+    again = traces.TraceCache(path, cfg, pair)
     again.put("target", "q2", "two")
-    third = ingest.TraceCache(path, cfg, pair)
+    third = traces.TraceCache(path, cfg, pair)
     assert ("target", "q1") in third and ("target", "q2") in third
     assert third.key("target", "q1") != third.key("draft", "q1")

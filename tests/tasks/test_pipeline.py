@@ -599,7 +599,7 @@ def test_ingest_can_have_the_draft_write_every_trace(tmp_path, monkeypatch):
     """``trace_author: draft``: the draft writes each question's chain, in place of the data's, so the
     prefixes are contexts the draft wrote; a chain it leaves empty drops the question (the data's
     solution does not stand in); a bad value names the field."""
-    from semspec.tasks import ingest
+    from semspec.tasks import ingest, traces
 
     pair = write_tiny_pair(tmp_path / "pair")
     loaded, draft = [], object()
@@ -614,7 +614,7 @@ def test_ingest_can_have_the_draft_write_every_trace(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ingest, "load_lm", load)
     monkeypatch.setattr(ingest, "write_trace", trace)
-    monkeypatch.setattr(ingest, "write_chains", chains_of(trace))
+    monkeypatch.setattr(traces, "write_chains", chains_of(trace))
     base = ["ingest.max_questions=6", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=16"]
     own = pq.read_table(run_ingest(load_params(overrides=base).ingest, pair, tmp_path / "a.parquet"))
     assert loaded == [], "the data's traces need no model"
@@ -635,12 +635,12 @@ def test_ingest_mixes_contexts_from_several_trace_authors(tmp_path, monkeypatch)
     """``trace_author: [data, draft]``: every question gives prefixes of its data chain and of the draft's
     chain, the data's with the ids a single author gives them and the draft's with ids of their own; a
     repeated author is an error naming the field."""
-    from semspec.tasks import ingest
+    from semspec.tasks import ingest, traces
 
     pair = write_tiny_pair(tmp_path / "pair")
     monkeypatch.setattr(ingest, "load_lm", lambda spec: spec.model_id)
     monkeypatch.setattr(ingest, "write_trace", lambda lm, q, n: f"Draft one.\n\nDraft two ({q[:6]}).")
-    monkeypatch.setattr(ingest, "write_chains", chains_of(ingest.write_trace))
+    monkeypatch.setattr(traces, "write_chains", chains_of(ingest.write_trace))
     base = ["ingest.max_questions=4", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=16"]
     data = pq.read_table(run_ingest(load_params(overrides=base).ingest, pair, tmp_path / "a.parquet"))
     p = load_params(overrides=[*base, "ingest.trace_author=[data, draft]"])
