@@ -102,3 +102,22 @@ def test_an_error_of_this_process_leaves_the_entry(cache, monkeypatch):
 
     monkeypatch.setattr(weight_cache, "_load", no_memory)
     assert weight_cache.load(folder, key, INT4) is None and folder.is_dir(), "kept for the next load"
+
+
+def test_an_entry_whose_packed_weights_do_not_fit_their_layer_is_deleted(cache, caplog):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tokenizer, model = _quantized(INT4)
+    key = weight_cache.cache_key(SOURCE, INT4)
+    folder = weight_cache.entry_path("org/tiny", key)
+    weight_cache.save(folder, key, tokenizer, model)
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    name = next(k for k in tensors if k.endswith(".qweight"))
+    tensors[name] = tensors[name].flatten()[: tensors[name].numel() // 2].clone()  # half the weights
+    save_file(tensors, str(path), metadata=meta)
+    assert weight_cache.load(folder, key, INT4) is None and not folder.exists()
+    assert "do not hold" in caplog.text
