@@ -52,6 +52,29 @@ def find_server(where: str | None) -> str:
     return found
 
 
+PORT_ATTEMPTS = 3  # starts on a new port after the port was taken meanwhile
+
+
+class PortTaken(RuntimeError):
+    """The port chosen for llama-server was bound by another process before the server bound it."""
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` (or a child of it) listens on loopback ``port``."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == port
+            for p in procs
+            for c in p.net_connections(kind="inet")
+        )
+    except psutil.Error:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,13 +89,13 @@ class LlamaServer:
         self, binary: str, model: Path, draft: Path | None = None, threads: int = 2, ctx: int = 4096
     ):
         self.binary, self.model, self.draft = binary, model, draft
-        self.port = _free_port()
-        self.cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
-        self.cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1"]
+        self.port = 0  # chosen at each start (a port free then may be taken before the server binds it)
+        self.args = [binary, "-m", str(model), "--host", "127.0.0.1"]
+        self.args += ["-t", str(threads), "-c", str(ctx), "-np", "1"]
         if draft is not None:
-            self.cmd += ["-md", str(draft)]
+            self.args += ["-md", str(draft)]
             if "--spec-type" in _run(binary, "--help"):  # newer builds name the draft model's kind
-                self.cmd += ["--spec-type", "draft-simple"]
+                self.args += ["--spec-type", "draft-simple"]
         self.proc: subprocess.Popen | None = None
         self.peak_rss_gb: float | None = None
         self._log: IO[bytes] | None = None  # the server's output, in a file: a pipe nobody reads fills up
@@ -82,23 +105,41 @@ class LlamaServer:
         """The server's base URL (loopback only)."""
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def cmd(self) -> list[str]:
+        """The server's command line, on the port of this start."""
+        return [*self.args, "--port", str(self.port)]
+
     def __enter__(self) -> LlamaServer:
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_healthy()
-        except BaseException:  # a failed start, a timeout, Ctrl-C: never leave the server running
-            self.__exit__(None, None, None)
-            raise
-        return self
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = _free_port()
+            self._log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+            try:
+                self._wait_healthy()
+                return self
+            except PortTaken:  # another process bound the port first: a new port, a new start
+                self.__exit__(None, None, None)
+                log.info("%s: port taken before it bound it (attempt %d); another port", SERVER, attempt + 1)
+            except BaseException:  # a failed start, a timeout, Ctrl-C: never leave the server running
+                self.__exit__(None, None, None)
+                raise
+        raise RuntimeError(f"{SERVER} found no free port in {PORT_ATTEMPTS} attempts")
 
     def _wait_healthy(self) -> None:
+        """Until our process answers ``/health`` on its port (an answer from another process that holds
+        the port is not ours: ``PortTaken``, as is our server exiting because the port was taken)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{SERVER} exited ({self.proc.returncode}) while starting: {self._tail()}")
+                tail = self._tail()
+                if "bind" in tail.lower() or "address already in use" in tail.lower():
+                    raise PortTaken(tail)
+                raise RuntimeError(f"{SERVER} exited ({self.proc.returncode}) while starting: {tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    if not _listens(self.proc.pid, self.port):
+                        raise PortTaken(f"port {self.port} answers, but not from {SERVER} {self.proc.pid}")
                     return
             except httpx.HTTPError:
                 pass

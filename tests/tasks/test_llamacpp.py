@@ -148,3 +148,34 @@ def test_the_real_llama_server_answers_on_the_embedded_target(embedded_pair):
     with LlamaServer(find_server(None), gguf) as server:
         res = LlamaCppDecoder("llamacpp", server, lm, settings).decode("What is 2 + 4?")
     assert 0 < res.output_tokens <= 16 and res.text and server.peak_rss_gb > 0
+
+
+def test_a_port_taken_before_the_server_binds_it_is_never_talked_to(stub, tmp_path, monkeypatch):
+    """Another process takes the chosen port first (and answers /health there): the server starts again on
+    another port, and every request goes to it, not to the impostor."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from semspec.tasks import llamacpp
+
+    class Impostor(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+    impostor = HTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    taken = impostor.server_address[1]
+    ports = iter([taken, llamacpp._free_port()])
+    monkeypatch.setattr(llamacpp, "_free_port", lambda: next(ports))
+    try:
+        with LlamaServer(str(stub), tmp_path / "t.gguf") as server:
+            assert server.port != taken
+            assert server.complete("2 + 4?", 8)["content"]
+    finally:
+        impostor.shutdown()
+    started = [e["argv"] for e in _log(tmp_path) if "argv" in e]
+    assert started[-1][started[-1].index("--port") + 1] == str(server.port)
