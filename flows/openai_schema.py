@@ -8,15 +8,20 @@ and ``seed``; every response carries the SemanticSpec trace in the extension fie
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+T = TypeVar("T")
 
 # the methods a server decodes: the step-level ones, which share the batched step loop
 SERVED_METHODS = ("semanticspec", "target", "draft", "specreason")
 Method = Literal["semanticspec", "target", "draft", "specreason"]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+# an OpenAI option accepted at its neutral value 0 only: the schema says so (clients and fuzzers read it),
+# and a validator refuses any other value with a message that names the option
+Neutral = Annotated[T, Field(json_schema_extra={"minimum": 0, "maximum": 0})]
 
 
 class TextPart(BaseModel):
@@ -71,8 +76,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # the answer ends before any of them
     # OpenAI's options at their neutral values only: a request that asks for more is refused by name
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Neutral[float] | None = None
+    frequency_penalty: Neutral[float] | None = None
     method: Method = "semanticspec"  # semspec's extension: a baseline through the same endpoint
 
     @field_validator("stop")
@@ -108,8 +113,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: Annotated[bool, Field(json_schema_extra={"enum": [False]})] | None = None
+    top_logprobs: Neutral[int] | None = None
     response_format: ResponseFormat | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None  # no tools are called: any value means the same

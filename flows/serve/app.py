@@ -97,7 +97,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # 405 keeps its Allow header
-    app.include_router(api_router(cfg.max_tokens_limit))
+    app.include_router(api_router(cfg.max_tokens_limit, cfg.max_messages))
     app.add_middleware(Guard, cfg=cfg)  # Host, API key, body size and time, before any handler
     return app
 

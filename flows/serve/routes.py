@@ -29,6 +29,7 @@ from semspec.engine import Engine
 from semspec.flows.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,
+    ChatMessage,
     Completion,
     CompletionRequest,
     ErrorResponse,
@@ -71,14 +72,18 @@ class Served:
         return self.spec.pair.name
 
 
-def bounded_requests(limit: int) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
-    """The request models with ``max_tokens`` (and ``max_completion_tokens``) capped at ``limit``."""
+def bounded_requests(
+    limit: int, max_messages: int = 256
+) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
+    """The request models with ``max_tokens`` (and ``max_completion_tokens``) capped at ``limit`` and a
+    chat's messages at ``max_messages``: the OpenAPI schema states this app's limits."""
     tokens = (Annotated[int, Field(ge=1, le=limit)] | None, None)
     chat = create_model(
         "ChatCompletionRequest",
         __base__=ChatCompletionRequest,
         max_tokens=tokens,
         max_completion_tokens=tokens,
+        messages=(Annotated[list[ChatMessage], Field(min_length=1, max_length=max_messages)], ...),
     )
     completion = create_model("CompletionRequest", __base__=CompletionRequest, max_tokens=tokens)
     return chat, completion
@@ -281,10 +286,10 @@ def _reading(
     return endpoint
 
 
-def api_router(max_tokens_limit: int) -> APIRouter:
+def api_router(max_tokens_limit: int, max_messages: int = 256) -> APIRouter:
     """The endpoints, with the request models capped at ``max_tokens_limit`` (the OpenAPI schema states
     it; a request above it is answered 400)."""
-    chat_request, completion_request = bounded_requests(max_tokens_limit)
+    chat_request, completion_request = bounded_requests(max_tokens_limit, max_messages)
     errors: dict[int | str, dict[str, Any]] = {
         code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)
     }
