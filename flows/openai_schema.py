@@ -19,6 +19,7 @@ SERVED_METHODS = ("semanticspec", "target", "draft", "specreason")
 Method = Literal["semanticspec", "target", "draft", "specreason"]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+StopText = Annotated[str, Field(min_length=1)]
 # an OpenAI option accepted at its neutral value 0 only: the schema says so (clients and fuzzers read it),
 # and a validator refuses any other value with a message that names the option
 Neutral = Annotated[T, Field(json_schema_extra={"minimum": 0, "maximum": 0})]
@@ -74,18 +75,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     user: str | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # the answer ends before any of them
+    # the answer ends before any of them; an empty list means none, as vLLM reads it
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     # OpenAI's options at their neutral values only: a request that asks for more is refused by name
     presence_penalty: Neutral[float] | None = None
     frequency_penalty: Neutral[float] | None = None
     method: Method = "semanticspec"  # semspec's extension: a baseline through the same endpoint
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: object) -> object:
-        if (isinstance(v, list) and (not v or any(not s for s in v))) or v == "":
-            raise ValueError("stop takes a non-empty string or a list of 1-4 non-empty strings")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

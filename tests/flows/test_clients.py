@@ -131,6 +131,9 @@ def test_developer_role_text_parts_and_neutral_values_are_accepted(server, spec)
         ("response_format", {"type": "json_object"}),
         ("tool_choice", "auto"),
         ("n", 2),
+        ("stop", ""),
+        ("stop", ["a", ""]),
+        ("stop", ["a", "b", "c", "d", "e"]),
     ],
 )
 def test_other_values_are_refused_by_name(server, field, value):
@@ -179,3 +182,13 @@ def test_litellm(server, answer, stream, monkeypatch):
     else:
         text = litellm.completion(**kw).choices[0].message.content
     assert text == answer[: answer.index(stop)]
+
+
+def test_an_empty_stop_list_means_no_stop(server, answer):
+    base, _ = server
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 24, "temperature": 0, "stop": []},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer
