@@ -214,14 +214,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request) -> Respon
     """OpenAI's chat completions; ``method`` picks a baseline, ``semspec`` in the reply is the trace."""
     served: Served = http.app.state.served
     max_tokens = _check(served, body, body.max_completion_tokens or body.max_tokens)
-    limits = served.limits
-    if len(body.messages) > limits.max_messages:
-        raise ApiError(
-            400,
-            f"{len(body.messages)} messages, above this server's limit of {limits.max_messages}",
-            param="messages",
-        )
-    try:
+    try:  # the message count is bounded by the request model (bounded_requests)
         messages = check_messages([m.as_dict() for m in body.messages])
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
