@@ -65,10 +65,6 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     """The FastAPI app serving ``spec`` (loaded once) with one engine, started and stopped with the app."""
     metrics = ServeMetrics(cfg.spec_max_batch)
     target = spec.lms["target"]
-
-    def count(text: str) -> int:  # a text's tokens in the target's tokenizer
-        return len(target.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     engine = Engine(
         lambda method, t, p: spec.decoder(method, temperature=t, top_p=p),
         cfg.max_batch,
@@ -76,7 +72,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         cfg.spec_max_batch,
         metrics.done,
         max_batch_tokens=cfg.batch_tokens,
-        count_tokens=count,
+        count_tokens=lambda text: len(target.plain_ids(text)),  # in the target's tokenizer
     )
     metrics.watch(engine)
     app = FastAPI(title="semspec", version="0.1.0", lifespan=_lifespan)
@@ -92,7 +88,7 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
         limits=cfg,
         prompts=ThreadPoolExecutor(cfg.prompt_workers, thread_name_prefix="semspec-prompt"),
         thinks=thinks(getattr(target.tokenizer, "chat_template", None)),
-        count_tokens=count,
+        count_tokens=lambda text: len(target.plain_ids(text)),  # in the target's tokenizer
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
@@ -122,6 +118,5 @@ def run_server(
         host=cfg.host,
         port=cfg.port,
         log_level="info",
-        limit_concurrency=cfg.limit_concurrency,
-        timeout_keep_alive=cfg.timeout_keep_alive,
+        **cfg.uvicorn_options(),
     )

@@ -37,6 +37,10 @@ class ServeConfig:
     body_timeout: float = 10.0  # seconds to receive a request's body; a slower client gets 408
     public_metrics: bool = False  # /metrics without the api key (a scraper on a trusted network)
 
+    def uvicorn_options(self) -> dict[str, int]:
+        """The connection limits uvicorn enforces (one more open connection is answered 503)."""
+        return {"limit_concurrency": self.limit_concurrency, "timeout_keep_alive": self.timeout_keep_alive}
+
     @property
     def batch_tokens(self) -> int:
         """The batch's token budget (``max_batch_tokens``, or room for ``max_batch`` of the largest rows)."""

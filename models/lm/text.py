@@ -115,16 +115,16 @@ class TextMixin:
             ids, last = [], 0
             for i, token in hits:
                 ids += (
-                    self._plain_ids(new_text[last:i]) + self._plain_ids(token[0]) + self._plain_ids(token[1:])
+                    self.plain_ids(new_text[last:i]) + self.plain_ids(token[0]) + self.plain_ids(token[1:])
                 )
                 last = i + len(token)
-            return ids + self._plain_ids(new_text[last:])
+            return ids + self.plain_ids(new_text[last:])
         full = self.encode(prev_text + new_text)
         if full[: len(prev_ids)] == prev_ids:
             return full[len(prev_ids) :]
-        return list(self.tokenizer(new_text, add_special_tokens=False)["input_ids"])
+        return self.plain_ids(new_text)
 
-    def _plain_ids(self, text: str) -> list[int]:
+    def plain_ids(self, text: str) -> list[int]:
         """Ids of ``text`` alone, no special tokens added."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 

@@ -81,8 +81,11 @@ class TinySpec(SemanticSpec):
 def running_server(spec: SemanticSpec, **cfg) -> Iterator[tuple[str, object]]:
     """Serve ``spec`` on a free loopback port in a thread; yields (base URL, app); stops it after."""
     port = free_port()
-    app = create_app(spec, ServeConfig(port=port, **cfg))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = ServeConfig(port=port, **cfg)
+    app = create_app(spec, config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config.uvicorn_options())
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
