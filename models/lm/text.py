@@ -114,9 +114,7 @@ class TextMixin:
             # tokenizer that other threads read)
             ids, last = [], 0
             for i, token in hits:
-                ids += (
-                    self.plain_ids(new_text[last:i]) + self.plain_ids(token[0]) + self.plain_ids(token[1:])
-                )
+                ids += self.plain_ids(new_text[last:i]) + self.plain_ids(token[0]) + self.plain_ids(token[1:])
                 last = i + len(token)
             return ids + self.plain_ids(new_text[last:])
         full = self.encode(prev_text + new_text)
