@@ -223,6 +223,36 @@ def _is_chat(prompts: Sequence[Any]) -> bool:
     return bool(prompts) and all(isinstance(p, dict) and "role" in p for p in prompts)
 
 
+def _champions_or_shipped(pair: PairConfig, probe: str) -> Path | None:
+    """None when the local registry has champion ``probe`` probes of ``pair`` (decoding loads them); else
+    the folder of probes that ships with semspec for the pair (``probes/<pair>/``), when it has them. The
+    registry's error (or, without MLflow installed, how to get probes) is raised when neither does."""
+    from semspec.models.project.probe_card import check_card
+    from semspec.models.project.probe_folder import read_card, shipped_probes
+    from semspec.tasks.decoders import check_probes
+
+    try:
+        check_probes(pair, probe, None)
+        return None
+    except (ValueError, ImportError) as e:
+        shipped = shipped_probes(pair.name)
+        if shipped is None or probe not in read_card(shipped).variants:
+            if isinstance(e, ImportError):  # the core install: no MLflow, so no registry
+                raise ValueError(
+                    f"no {probe} probes ship for pair {pair.name!r} and MLflow is not installed: pass "
+                    f"probes= an exported folder or Hub repo id, or install semspec[pipeline] and train them"
+                ) from None
+            raise
+        check_card(read_card(shipped), pair, probe)
+        log.info(
+            "no champion %s probes of %s in the registry: decoding with the shipped ones in %s",
+            probe,
+            pair.name,
+            shipped,
+        )
+        return shipped
+
+
 def load(
     pair: str | Path | None = None,
     probes: str | Path | None = None,
@@ -260,7 +290,9 @@ def load(
             from semspec.models.project.probe_folder import resolve_probes
 
             probes_dir = resolve_probes(probes)
-        check_probes(pair_cfg, probe, probes_dir)
+            check_probes(pair_cfg, probe, probes_dir)
+        else:
+            probes_dir = _champions_or_shipped(pair_cfg, probe)
     elif probes is not None:
         raise ValueError("probes= names probes to load, and probe=None loads none: drop one of them")
     size = cfg.evaluate.batch_size if batch_size is None else batch_size

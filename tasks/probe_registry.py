@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from semspec.models.project.names import CHAMPION, experiment_name, registered_name
 from semspec.models.project.settings import settings
+from semspec.models.spec.names import ROLES
 from semspec.models.spec.probe import WEIGHTS_FILE, load_probe_folder, sha256_of
 
 log = logging.getLogger(__name__)
@@ -107,11 +109,13 @@ def register_probe(
     tags: dict[str, str],
     register: bool = True,
     description: str | None = None,
+    champion: bool = True,
 ) -> ProbeRef:
     """Log a probe saved by ``save_probe`` in ``folder`` as artifacts of the active run (named after the
-    probe) and, with ``register``, create a registry version with ``tags`` and point ``champion`` at it;
-    ``description`` (what the probe reads and predicts) becomes the registered model's description.
-    The weights' sha256 is a version tag, checked whenever the probe is loaded."""
+    probe) and, with ``register``, create a registry version with ``tags`` (and with ``champion``, point
+    ``champion`` at it; else ``promote`` decides later); ``description`` (what the probe reads and
+    predicts) becomes the registered model's description. The weights' sha256 is a version tag, checked
+    whenever the probe is loaded."""
     name = registered_name(pair, role, variant)
     sha = sha256_of(folder / WEIGHTS_FILE)
     mlflow.log_artifacts(str(folder), artifact_path=name)
@@ -129,8 +133,73 @@ def register_probe(
     mv = client.create_model_version(
         name, source, run_id=run.info.run_id if run else None, tags={**tags, "sha256": sha}
     )
-    client.set_registered_model_alias(name, CHAMPION, mv.version)
+    if champion:
+        client.set_registered_model_alias(name, CHAMPION, mv.version)
     return ProbeRef(name, str(mv.version), source, sha)
+
+
+SCORE_TAG = "routing_score"  # a version's held-out routing score (``routing_score``), what promotion compares
+
+
+def routing_score(metrics: dict[str, float] | None) -> float | None:
+    """How well a variant's pair of probes routes: the true-accept minus the false-accept rate of the
+    decoder's default rule (the paper's, ``min(1, p/q)``) on the held-out questions' draft steps
+    (``routing_metrics``); None without both rates (no joint labels, or a side with no step)."""
+    if not metrics:
+        return None
+    ta, fa = metrics.get("true_accept"), metrics.get("false_accept")
+    if ta is None or fa is None or not (math.isfinite(ta) and math.isfinite(fa)):
+        return None
+    return float(ta) - float(fa)
+
+
+def champion_score(pair: str, variant: str) -> tuple[bool, float | None]:
+    """(whether both roles of ``variant`` have a champion, the target champion's ``routing_score`` tag)."""
+    try:
+        tags = {role: registered_version(pair, role, variant).tags or {} for role in ROLES}
+    except ValueError:
+        return False, None
+    value = tags["target"].get(SCORE_TAG)
+    return True, None if value is None else float(value)
+
+
+def beats(score: float | None, current: tuple[bool, float | None]) -> bool:
+    """Whether probes of ``score`` should replace the champion ``current`` (``champion_score``): with no
+    champion, or a champion without a score, yes; without a score against a scored one, no; else only
+    when strictly higher (equal probes keep the champion)."""
+    exists, best = current
+    if not exists or best is None:
+        return True
+    return score is not None and score > best
+
+
+def promote(
+    pair: str, variant: str, versions: dict[str, str], score: float | None, force: bool = False
+) -> bool:
+    """Tag both roles' new ``versions`` (role -> version) of ``variant`` with ``score`` and point
+    ``champion`` at them when they beat the current champion (``beats``) or ``force``; returns whether
+    they became champion. Both roles move together: a variant's probes are judged as a pair."""
+    client = mlflow.MlflowClient()
+    current = champion_score(pair, variant)
+    for role, version in versions.items():
+        if score is not None:
+            client.set_model_version_tag(
+                registered_name(pair, role, variant), version, SCORE_TAG, f"{score:.6g}"
+            )
+    if not (force or beats(score, current)):
+        log.info(
+            "%s probes of %s: routing score %s does not beat the champion's %s; the champion stays",
+            variant, pair, _fmt(score), _fmt(current[1]),
+        )  # fmt: skip
+        return False
+    for role, version in versions.items():
+        client.set_registered_model_alias(registered_name(pair, role, variant), CHAMPION, version)
+    log.info("%s probes of %s (routing score %s) are champion", variant, pair, _fmt(score))
+    return True
+
+
+def _fmt(score: float | None) -> str:
+    return "none" if score is None else f"{score:.3f}"
 
 
 def registered_version(pair: str, role: str, variant: str, alias: str = CHAMPION, version: str | None = None):

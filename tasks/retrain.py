@@ -26,8 +26,9 @@ NOT_EVALUATED = "not evaluated"  # the probes are up to date, their evaluation i
 
 
 def champion_status(pair: str, roles: list[str], variants: list[str], expected: dict[str, str]) -> str | None:
-    """None when every ``champion`` probe of the pair (``variants``: probe keys) exists and carries the ``expected`` tags; else why
-    the pair needs training ("no champion probe ...", "config changed ...", "data changed ...")."""
+    """None when every ``champion`` probe of the pair (``variants``: probe keys) exists and carries the
+    ``expected`` tags, or a version trained on that config stayed behind it (``train.promote: better``);
+    else why the pair needs training ("no champion probe ...", "config changed ...", "data changed ...")."""
     client = mlflow.MlflowClient()
     for role in roles:
         for variant in variants:
@@ -36,17 +37,44 @@ def champion_status(pair: str, roles: list[str], variants: list[str], expected: 
                 mv = client.get_model_version_by_alias(name, CHAMPION)
             except MlflowException:
                 return f"no champion probe {name}"
-            tags = mv.tags or {}
-            for key, value in expected.items():
-                if tags.get(key) != value:
-                    why = FINGERPRINT_REASONS.get(key, f"{key} changed")
-                    return f"{why}: {name} v{mv.version} has {key}={tags.get(key)}, now {value}"
+            stale = _stale_tag(mv.tags or {}, expected)
+            if stale is None or _trained_since(client, name, expected):
+                continue  # current, or a run on the current config trained probes that did not beat it
+            key, value = stale
+            why = FINGERPRINT_REASONS.get(key, f"{key} changed")
+            return f"{why}: {name} v{mv.version} has {key}={(mv.tags or {}).get(key)}, now {value}"
     return None
 
 
-def evaluation_status(params: Any, pair: Any, metrics: Path) -> str | None:
-    """None when ``metrics`` records a finished evaluation (the evaluate stage writes it last) of the
-    current champion probes with the current settings; else why the evaluation must run again."""
+def _stale_tag(tags: dict[str, str], expected: dict[str, str]) -> tuple[str, str] | None:
+    """The first ``expected`` tag whose value ``tags`` lacks, or None."""
+    return next(((k, v) for k, v in expected.items() if tags.get(k) != v), None)
+
+
+def _of_config(client: mlflow.MlflowClient, name: str, version: Any, expected: dict[str, str] | None) -> bool:
+    """Whether ``version`` of ``name`` was trained on the config ``expected`` tags describe."""
+    if version is None or not expected:
+        return False
+    try:
+        mv = client.get_model_version(name, str(version))
+    except MlflowException:
+        return False
+    return _stale_tag(mv.tags or {}, expected) is None
+
+
+def _trained_since(client: mlflow.MlflowClient, name: str, expected: dict[str, str]) -> bool:
+    """Whether some version of ``name`` carries every ``expected`` tag: the current config was trained,
+    and its probes stayed behind the champion (``train.promote: better``)."""
+    versions = client.search_model_versions(f"name = '{name}'")
+    return any(_stale_tag(mv.tags or {}, expected) is None for mv in versions)
+
+
+def evaluation_status(
+    params: Any, pair: Any, metrics: Path, expected: dict[str, str] | None = None
+) -> str | None:
+    """None when ``metrics`` records a finished evaluation (the evaluate stage writes it last) with the
+    current settings of the current champion probes, or of probes trained on the current config
+    (``expected`` tags) that stayed behind the champion; else why the evaluation must run again."""
     # heavy: only when probes are current
     from semspec.tasks.evaluate.runs import RUN_KEY, evaluation_identity
 
@@ -72,7 +100,8 @@ def evaluation_status(params: Any, pair: Any, metrics: Path) -> str | None:
                     version = client.get_model_version_by_alias(name, CHAMPION).version
                 except MlflowException:
                     return f"{NOT_EVALUATED}: no champion probe {name} to evaluate"
-                if str((run.get("probes") or {}).get(f"{role}-{key}")) != str(version):
+                done = (run.get("probes") or {}).get(f"{role}-{key}")
+                if str(done) != str(version) and not _of_config(client, name, done, expected):
                     return f"{NOT_EVALUATED}: {name}'s champion v{version} was not evaluated"
     return None
 
@@ -100,7 +129,8 @@ def pair_statuses(params: Any, eval_metrics: Callable[[str], Path] | None = None
         keys = [probe_key(v, d) for d in params.train.domain_list() for v in params.train.variants]
         out[name] = champion_status(name, list(params.sample.roles), keys, pipeline_fingerprint(params, cfg))
         if out[name] is None and eval_metrics is not None and "evaluate" in params.retrain.stages:
-            out[name] = evaluation_status(params, cfg, eval_metrics(name))
+            expected = pipeline_fingerprint(params, cfg)
+            out[name] = evaluation_status(params, cfg, eval_metrics(name), expected)
     return out
 
 

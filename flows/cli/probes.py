@@ -45,9 +45,20 @@ def probes_import(
     source: Annotated[
         str, typer.Argument(help="Exported folder, or a Hugging Face Hub repo id org/name[@revision].")
     ],
+    if_better: Annotated[
+        bool,
+        typer.Option(
+            "--if-better",
+            help="Import only the variants whose held-out routing score (true- minus false-accept, on "
+            "their card) beats the registry's champion; the others are left out.",
+        ),
+    ] = False,
 ) -> None:
     """Register the probes of an exported folder in the local MLflow registry (as champions)."""
-    from semspec.tasks.probe_export import import_probes
+    from semspec.tasks.probe_import import import_probes
 
-    for ref in or_exit(import_probes, source):
+    refs = or_exit(import_probes, source, if_better)
+    for ref in refs:
         typer.echo(f"[probes] registered {ref.name} v{ref.version} (sha256 {ref.sha256[:12]})")
+    if not refs:
+        typer.echo("[probes] the registry's champions are at least as good: nothing imported")

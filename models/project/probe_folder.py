@@ -100,3 +100,13 @@ def read_card(folder: str | Path) -> ProbeCard:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e}): export the probes again") from None
     return card_from_json(data, str(path), folder)
+
+
+SHIPPED_DIR = "probes"  # in the project (the repository, or the installed package): <pair>/ per pair
+
+
+def shipped_probes(pair: str) -> Path | None:
+    """The exported folder of ``pair``'s probes that ships with semspec (``probes/<pair>/``, package data
+    of an installed semspec), or None where none ships."""
+    folder = settings().project_dir / SHIPPED_DIR / pair
+    return folder if (folder / CARD_FILE).is_file() else None

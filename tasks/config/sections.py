@@ -151,6 +151,7 @@ class ClusterConfig:
 
 
 EXAMPLES = ("own", "both")  # train.examples
+PROMOTE = ("better", "always")  # train.promote
 
 
 @dataclass
@@ -169,7 +170,10 @@ class TrainConfig:
     val_fraction: float = 0.15  # of questions
     test_fraction: float = 0.2  # of questions
     seed: int = 0
-    register: bool = True  # register the probes in the MLflow model registry (alias champion)
+    register: bool = True  # register the probes in the MLflow model registry
+    # better: a variant's new probes become champion only when they route the held-out questions' draft
+    # steps better than the champion (true- minus false-accept; equal keeps it); always: every run's do
+    promote: str = "better"
     # `all`: one probe per variant on every domain's data; a list (e.g. [math, science, all]): one probe per
     # variant and listed domain, on that domain's questions only (the paper's 5.4 cross-domain study)
     domains: str | list[str] = ALL_DOMAINS
@@ -187,6 +191,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.train_fraction, int | float) or not 0 < self.train_fraction <= 1:
             raise ValueError(f"train: field 'train_fraction' must be in (0, 1], got {self.train_fraction!r}")
+        if self.promote not in PROMOTE:
+            raise ValueError(f"train: field 'promote' must be one of {PROMOTE}, got {self.promote!r}")
         if self.examples not in EXAMPLES:
             raise ValueError(f"train: field 'examples' must be one of {EXAMPLES}, got {self.examples!r}")
         if self.search is not None:

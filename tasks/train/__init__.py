@@ -43,6 +43,7 @@ from semspec.tasks.train.registry import (
     PENDING_DIR,
     TRAIN_PARENT,
     log_routing,
+    promote_trained,
     tag_floors,
     track_probe,
     write_outputs,
@@ -159,6 +160,7 @@ def _summarise(
             log_routing(routing, done.trained)
             tag_floors(routing, done.pointers)
     if not done.kept:
+        promote_trained(run.pair.name, done.pointers, routing, run.cfg.promote)
         fig = variant_figure(done.metrics, run.pair.name)
         save_figure_atomic(fig, run.plots_dir / "probe-variants.png")
         mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run

@@ -26,7 +26,9 @@ from semspec.tasks.probe_registry import (
     POINTERS_FILE,
     ProbeRef,
     check_tracking,
+    promote,
     register_probe,
+    routing_score,
     setup_experiment,
 )
 from semspec.tasks.train.plots import variant_figure
@@ -46,13 +48,45 @@ TRAIN_PARENT = "train-summary"  # the stage tag of the run that groups one train
 
 def _log_and_register(kept: KeptProbe, pair: str, register: bool) -> ProbeRef:
     """In the active (probe) run: the test metrics and the calibration plot; then the probe in
-    ``kept.folder`` is stored as run artifacts and registered (``register``: as a new champion version)."""
+    ``kept.folder`` is stored as run artifacts and registered (``register``: as a new version, which
+    ``promote_trained`` makes champion once the run's routing metrics are known)."""
     mlflow.log_metrics(kept.metrics)
     if Path(kept.plot).is_file():
         mlflow.log_artifact(kept.plot)
     return register_probe(
-        Path(kept.folder), pair, kept.role, kept.key, kept.version_tags, register, kept.description
+        Path(kept.folder),
+        pair,
+        kept.role,
+        kept.key,
+        kept.version_tags,
+        register,
+        kept.description,
+        champion=False,
     )
+
+
+def promote_trained(
+    pair: str,
+    pointers: dict[str, dict[str, Any]],
+    routing: dict[str, dict[str, float]] | None,
+    mode: str,
+) -> dict[str, bool]:
+    """Make each variant's newly registered probes (``pointers``: ``<role>-<key>`` -> ProbeRef fields)
+    champion when they route better on the held-out questions than the current champion (``promote``;
+    ``mode`` ``always``: whatever their score). A key without routing metrics (a per-domain probe, a run
+    without joint labels) is judged by no score. Returns key -> whether it became champion."""
+    keys = sorted({k.split("-", 1)[1] for k in pointers})
+    out = {}
+    for key in keys:
+        versions = {
+            role: str(ref["version"])
+            for role in ROLES
+            if (ref := pointers.get(f"{role}-{key}")) is not None and ref.get("version") is not None
+        }
+        if versions:
+            score = routing_score((routing or {}).get(key))
+            out[key] = promote(pair, key, versions, score, force=mode == "always")
+    return out
 
 
 def track_probe(t: Trained) -> tuple[dict[str, float], ProbeRef]:
@@ -98,6 +132,7 @@ def register_pending(out_dir: Path, register: bool = True) -> dict[str, Any]:
             pointers[f"{kept.role}-{kept.key}"] = asdict(ref)
             if ref.version is not None:
                 metrics[kept.role][kept.key]["registered_version"] = int(ref.version)
+        promote_trained(pair, pointers, metrics.get("_routing"), record["params"].get("promote", "better"))
         fig = variant_figure(metrics, pair)
         save_figure_atomic(fig, Path(record["plots_dir"]) / "probe-variants.png")
         mlflow.log_figure(fig, "probe-variants.png")

@@ -204,7 +204,8 @@ def test_export_refuses_what_it_should_not_overwrite(tmp_path, registry):
 def test_import_into_an_empty_registry_loads_like_the_original(tmp_path, registry, monkeypatch):
     import mlflow
 
-    from semspec.tasks.probe_export import export_probes, import_probes
+    from semspec.tasks.probe_export import export_probes
+    from semspec.tasks.probe_import import import_probes
     from semspec.tasks.probe_registry import load_probe, registered_floor
 
     out = export_probes(PAIR, tmp_path / "probes")
@@ -239,7 +240,8 @@ def test_import_into_an_empty_registry_loads_like_the_original(tmp_path, registr
 def test_import_refuses_a_card_for_other_models_before_registering(tmp_path, registry, monkeypatch):
     import mlflow
 
-    from semspec.tasks.probe_export import export_probes, import_probes
+    from semspec.tasks.probe_export import export_probes
+    from semspec.tasks.probe_import import import_probes
 
     out = export_probes(PAIR, tmp_path / "probes")
     use_project(monkeypatch, tmp_path / "other")
