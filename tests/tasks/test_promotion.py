@@ -120,5 +120,5 @@ def test_load_decodes_with_the_shipped_probes_when_the_registry_has_none(project
     shipped = export_probes(PAIR, project / "project" / "probes" / PAIR)
     use_registry(monkeypatch, project / "empty")
     assert _champions_or_shipped(pair, "all") == shipped
-    with pytest.raises(ValueError, match="no registered probe .*-last@champion"):
+    with pytest.raises(ValueError, match=r"no registered probe .*-last@champion"):
         _champions_or_shipped(pair, "last")  # the shipped folder has no `last`: the registry's error
