@@ -10,8 +10,8 @@ instruction set. OpenMP threads come from the runtime torch already loaded (one 
 kernels and torch share a thread pool).
 
 ``SEMSPEC_KERNELS`` is the one switch: ``auto`` (default, the best build the CPU runs), ``avx512`` or
-``avx2`` (that build, e.g. AVX2 on an AVX-512 CPU to measure or test it; kernels that need AVX-512 are
-off under ``avx2``) or ``off`` (PyTorch's ops and SDPA everywhere). Calls into the kernels go through
+``avx2`` (that build, e.g. AVX2 on an AVX-512 CPU to measure or test it; every kernel has an AVX2 build)
+or ``off`` (PyTorch's ops and SDPA everywhere). Calls into the kernels go through
 ``ops`` (torch operators that check shapes, dtypes and layouts first).
 """
 

@@ -122,11 +122,17 @@ def test_it_decodes_what_the_modules_decode(build, arch, prompts, monkeypatch):
     assert (logits_on - logits_off).abs().max().item() <= 1e-2 * scale
 
 
-@pytest.mark.skipif(not INT4_RUNS, reason="semspec's int4 kernel needs AVX512_BF16")
+INT4_BUILDS = ["avx512"] * INT4_RUNS + ["avx2"]  # the int4 kernel's AVX512_BF16 build, and its AVX2 one
+
+
+@pytest.mark.parametrize("switch", INT4_BUILDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("prompts", [["3 + 4 = "], ["3 + 4 = ", "12 * 3 - 5 = ", "7 = "]])
-def test_an_int4_model_decodes_what_its_modules_decode(arch, prompts, monkeypatch):
+def test_an_int4_model_decodes_what_its_modules_decode(switch, arch, prompts, monkeypatch):
+    monkeypatch.setenv("SEMSPEC_KERNELS", switch)
+    reload_settings()
     lm = _int8_lm(arch, INT4)
+    assert int4_kernel.int4_mm().isa == ("AVX512_BF16" if switch == "avx512" else "AVX2")
     assert decode_layer.describe(lm.model) == "decode layers: semspec's kernel (2 of 2)"
     assert lm.model.model.layers[0].self_attn.q_proj.bits == 4
     fin, fout = decode_layer.layer_kernel(4)
@@ -281,8 +287,7 @@ def test_the_split_benchmark_times_each_part_and_puts_everything_back():
     assert spent == before, "nothing is timed after the block"
 
 
-INT4_ONLY_WITH_BF16 = pytest.mark.skipif(not INT4_RUNS, reason="int4 kernel: AVX512_BF16")
-FORMATS = [pytest.param(INT8, id="int8"), pytest.param(INT4, id="int4", marks=INT4_ONLY_WITH_BF16)]
+FORMATS = [pytest.param(INT8, id="int8"), pytest.param(INT4, id="int4")]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
