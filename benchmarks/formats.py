@@ -21,7 +21,8 @@ calls through PyTorch's ``_weight_int8pack_mm``, SDPA attention, the modules), t
 tiles); a ``-sdpa`` suffix (e.g.
 ``int8-sdpa``) decodes with transformers' SDPA attention instead of semspec's decode attention
 (``models/cpu/attention.py``). ``attention`` times one decode call's attention both ways, per head shape
-(the defaults: the 0.5B's and the 1.5B's) and context length. ``split`` decodes with each model in
+(the defaults: the 0.5B's and the 1.5B's) and context length. ``--as-avx2`` (any command) runs as an AVX2-only CPU would, on an AVX-512 one: semspec's AVX2 builds, the
+format rule without AVX-512 or AMX, PyTorch's and oneDNN's AVX2 kernels. ``split`` decodes with each model in
 ``auto`` and times the parts of each token inside ``LM.forward``: the decode layers' two C calls
 (``layer_in``, ``layer_out``, summed over the layers), decode attention, the output head, and the rest
 (Python, the cache's ``update``, hidden states), one line per pass.
@@ -29,11 +30,17 @@ tiles); a ``-sdpa`` suffix (e.g.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if "--as-avx2" in sys.argv:  # before torch loads: its kernel dispatch reads these once
+    sys.argv.remove("--as-avx2")
+    os.environ.update(SEMSPEC_KERNELS="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+
 import argparse
 import contextlib
 import dataclasses
 import functools
-import os
 import statistics
 import time
 from collections.abc import Iterator

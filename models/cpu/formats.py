@@ -49,6 +49,7 @@ DENSE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 QUANTIZED = ("int8", "int4")
 FORMATS = (*DENSE_DTYPES, *QUANTIZED, "auto")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of native bfloat16
+AVX512_FLAG_PREFIXES = ("avx512", "amx")  # what an AVX2-only CPU lacks
 INT4_GROUP = 32  # input channels per int4 scale and zero (the kernel takes 32, 64, 128 or 256)
 INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kernel's blocks; PyTorch's op too)
 # calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off docs/formats.md's tables
@@ -63,6 +64,7 @@ DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): 64, ("in
 # the int4 kernel for many rows: there int4 keeps the copy, for calls above 6 rows (measured on a
 # 1536 -> 8960 layer: docs/formats.md)
 AMX_INT4_ROWS = 6
+INT4_AVX2_FLAGS = frozenset({"avx2", "fma"})  # what the int4 kernel's AVX2 build needs (models/cpu/build.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class CpuInfo:
 
     capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     flags: frozenset[str]  # /proc/cpuinfo flags (lower case)
+    as_avx2: bool = False  # AVX-512 and AMX flags dropped (SEMSPEC_KERNELS=avx2)
 
     @property
     def native_bf16(self) -> bool:
@@ -84,7 +87,8 @@ class CpuInfo:
 
     def label(self) -> str:
         """E.g. ``AVX512, native bf16`` or ``AVX2, no native bf16``."""
-        return f"{self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}"
+        forced = " (seen as AVX2-only: SEMSPEC_KERNELS=avx2)" if self.as_avx2 else ""
+        return f"{self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}{forced}"
 
 
 def _cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -98,10 +102,20 @@ def _cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-@functools.cache
 def cpu_info() -> CpuInfo:
-    """The CPU at hand (read once per process)."""
-    return CpuInfo(torch.backends.cpu.get_cpu_capability(), _cpu_flags())
+    """The CPU at hand (read once per process). Under ``SEMSPEC_KERNELS=avx2`` it is seen as an AVX2-only
+    CPU: its AVX-512 and AMX flags are dropped, so the format rule and every kernel decide as they would
+    there (``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` make PyTorch's own kernels follow:
+    ``benchmarks/formats.py --as-avx2`` sets all three)."""
+    return _cpu_info(settings().kernels == "avx2")
+
+
+@functools.cache
+def _cpu_info(as_avx2: bool) -> CpuInfo:
+    flags = _cpu_flags()
+    if as_avx2:
+        flags = frozenset(f for f in flags if not f.startswith(AVX512_FLAG_PREFIXES))
+    return CpuInfo(torch.backends.cpu.get_cpu_capability(), flags, as_avx2)
 
 
 @dataclass(frozen=True)
@@ -143,12 +157,13 @@ class Format:
 
 def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = None) -> Format:
     """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
-    one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU with AVX512_BF16 (what
-    semspec's int4 kernel needs) ``int4``, every call through the int4 kernel, except that with AMX calls
-    above 6 rows run in bfloat16 on a dequantized copy (AMX's GEMM is several times faster there);
-    on any other CPU ``int8``, whose dense calls run in bfloat16 where the CPU has native bfloat16 (AMX
-    alone) and in float32 elsewhere (bfloat16 without native support is 3-5x slower than float32 for
-    every call with many rows)."""
+    one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU where semspec's int4
+    kernel runs (AVX512_BF16, or AVX2 and FMA: its AVX2 build, int8 activations) ``int4``, every call
+    through the int4 kernel, except that with AMX calls above 6 rows run in bfloat16 on a dequantized copy
+    (AMX's GEMM is several times faster there); on any other CPU ``int8`` (PyTorch's op), whose dense calls
+    run in float32 (bfloat16 without native support is 3-5x slower than float32 for every call with many
+    rows). ``int8`` asked for by name keeps its dense calls: bfloat16 with AMX, float32 without native
+    bfloat16."""
     if requested not in FORMATS:
         raise ValueError(f"field 'dtype' must be one of {FORMATS}, got {requested!r}")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -168,20 +183,20 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
             note = f"{cpu.label()}: calls with many rows run 3-5x slower than float32"
         return Format(requested, DENSE_DTYPES[requested], requested=requested, reason=note)
     name = requested
+    int4_runs = int4_kernel.CPU_FLAGS.issubset(cpu.flags) or INT4_AVX2_FLAGS.issubset(cpu.flags)
     if requested == "auto":  # int4 where semspec's int4 kernel runs (elsewhere PyTorch's op: no faster)
-        name = "int4" if int4_kernel.CPU_FLAGS.issubset(cpu.flags) else "int8"
+        name = "int4" if int4_runs else "int8"
     native = cpu.native_bf16
     rows = DENSE_ROWS[(name, native)]
     if name == "int4" and cpu.amx:
         rows = AMX_INT4_ROWS
+    kernel = ""
+    if name == "int4" and int4_runs:
+        kernel = " (semspec's int4 kernel)" if native else " (semspec's int4 kernel, int8 activations)"
     if rows is None:
-        kernel = " (semspec's int4 kernel)" if name == "int4" and native else ""
         reason = f"{cpu.label()}: {name} weights{kernel} for every call, no dense copy"
     else:
         dense = "bfloat16 (a dequantized copy)" if native else "float32 (dequantized per call)"
-        kernel = (
-            " (semspec's int4 kernel)" if name == "int4" and int4_kernel.CPU_FLAGS.issubset(cpu.flags) else ""
-        )
         reason = (
             f"{cpu.label()}: {name} weights{kernel} for calls of up to {rows} rows (decoding), {dense} above"
         )

@@ -27,7 +27,8 @@ from semspec.models.project.settings import Settings, reload_settings
 from tests.helpers.tiny import tiny_lm
 
 AVX2 = CpuInfo("AVX2", frozenset({"avx", "avx2", "fma"}))
-AVX512 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw"}))  # no bf16 instructions
+AVX512 = CpuInfo("AVX512", frozenset({"avx2", "fma", "avx512f", "avx512bw"}))  # no bf16 instructions
+OLD = CpuInfo("DEFAULT", frozenset({"sse4_2"}))  # no AVX2: no semspec kernel
 AVX512_BF16 = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
 AMX = CpuInfo("AVX512", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}))  # AMX without AVX512_BF16
 BF16_AND_AMX = CpuInfo("AVX512", AVX512_BF16.flags | AMX.flags)
@@ -38,10 +39,11 @@ QUESTION = "What is 12 * 7?"
 @pytest.mark.parametrize(
     "cpu, name, dense_copy, rows",
     [
-        (AVX2, "int8", False, 64),
-        (AVX512, "int8", False, 64),
+        (AVX2, "int4", False, None),  # the int4 kernel's AVX2 build, int8 activations, every call
+        (AVX512, "int4", False, None),  # the same build
+        (OLD, "int8", False, 64),
         (AVX512_BF16, "int4", False, None),  # the int4 kernel's tiles run every call: no dense copy
-        (AMX, "int8", True, 4),
+        (AMX, "int8", True, 4),  # (these flags lack FMA: no int4 kernel)
         (BF16_AND_AMX, "int4", True, 6),  # AMX's bfloat16 GEMM overtakes the int4 kernel above 6 rows
     ],
 )
@@ -88,6 +90,32 @@ def test_the_flags_come_from_proc_cpuinfo(tmp_path):
     info.write_text("processor : 0\nflags\t\t: fpu AVX2 avx512_bf16 amx_tile\nbugs : none\n")
     assert _cpu_flags(info) == {"fpu", "avx2", "avx512_bf16", "amx_tile"}
     assert _cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_forced_to_avx2_the_cpu_is_seen_as_an_avx2_only_one(monkeypatch):
+    """``SEMSPEC_KERNELS=avx2``: no AVX-512 or AMX flag reaches the format rule or the kernels, and every
+    figure's label says so."""
+    from semspec.models.cpu import formats
+
+    monkeypatch.setattr(
+        formats, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
+    )
+    formats._cpu_info.cache_clear()
+    monkeypatch.setenv("SEMSPEC_KERNELS", "avx2")
+    reload_settings()
+    try:
+        cpu = formats.cpu_info()
+        assert cpu.flags == {"avx2", "fma"} and not cpu.native_bf16 and not cpu.amx
+        assert "seen as AVX2-only" in cpu.label()
+        fmt = resolve_format("auto", "cpu")
+        assert fmt.name == "int4" and fmt.dense_rows is None
+        assert "semspec's int4 kernel, int8 activations" in fmt.describe()
+        monkeypatch.delenv("SEMSPEC_KERNELS")
+        reload_settings()
+        assert formats.cpu_info().amx and resolve_format("auto", "cpu").dense_rows == 6
+    finally:
+        formats._cpu_info.cache_clear()
+        reload_settings()
 
 
 @pytest.mark.parametrize(
