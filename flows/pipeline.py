@@ -28,6 +28,7 @@ from semspec.models.spec.names import PROBE_METHOD, ROLES
 from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import load_params
 from semspec.tasks.decoders import build_decoder, decode_settings
+from semspec.tasks.probe_registry import champion_origin
 from semspec.tasks.retrain import NOT_EVALUATED, pair_statuses
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def decode_smoke(pair: str, variant: str, split_strategy: str, settings: DecodeS
     summary = {
         "question": SMOKE_QUESTION,
         "probe": variant,
+        "probes": champion_origin(pair, variant),
         "steps": len(res.steps),
         "output_tokens": res.output_tokens,
         "target_share": round(res.target_share, 3),
@@ -151,7 +153,8 @@ def publish_report(pair: str, profile: str, runs: list[dict[str, Any]], smoke: d
         )
         md += [
             "## Decode smoke test (registered champion probes)",
-            f"{smoke['question']}\n\nprobe `{smoke['probe']}`: {smoke['steps']} steps, "
+            f"{smoke['question']}\n\nprobe `{smoke['probe']}` ({smoke.get('probes', 'the champions')}): "
+            f"{smoke['steps']} steps, "
             f"{smoke['output_tokens']} tokens, target share {smoke['target_share']}, answer {answer}",
             "Steps:\n\n" + trace,
         ]

@@ -198,6 +198,25 @@ def promote(
     return True
 
 
+def champion_origin(pair: str, variant: str) -> str:
+    """Which probes decode ``variant`` of ``pair`` (the target's champion), for a report: its registry name
+    and version, where it came from (imported from a folder, or the train run that made it) and its
+    routing score."""
+    mv = registered_version(pair, "target", variant)
+    tags = {}
+    if mv.run_id:
+        try:
+            tags = mlflow.MlflowClient().get_run(mv.run_id).data.tags
+        except MlflowException:
+            tags = {}
+    if tags.get("stage") == "import":
+        origin = f"imported from {tags.get('imported_from', '?')}"
+    else:
+        origin = f"trained in run {mv.run_id or '?'}"
+    score = (mv.tags or {}).get(SCORE_TAG)
+    return f"{mv.name} v{mv.version}, {origin}, routing score {score or 'none'}"
+
+
 def _fmt(score: float | None) -> str:
     return "none" if score is None else f"{score:.3f}"
 

@@ -122,3 +122,17 @@ def test_load_decodes_with_the_shipped_probes_when_the_registry_has_none(project
     assert _champions_or_shipped(pair, "all") == shipped
     with pytest.raises(ValueError, match=r"no registered probe .*-last@champion"):
         _champions_or_shipped(pair, "last")  # the shipped folder has no `last`: the registry's error
+
+
+def test_reports_say_which_probes_decode(project, monkeypatch):
+    from semspec.tasks.probe_export import export_probes
+    from semspec.tasks.probe_import import import_probes
+    from semspec.tasks.probe_registry import champion_origin
+
+    _scored(project, 0, 0.9, 0.2)
+    assert "trained in run" in champion_origin(PAIR, "all")
+    shipped = export_probes(PAIR, project / "shipped")
+    use_registry(monkeypatch, project / "fresh")
+    import_probes(shipped, if_better=True)
+    said = champion_origin(PAIR, "all")
+    assert said.startswith(f"semspec-{PAIR}-target-all v1, imported from {shipped}") and "routing score 0.7" in said
