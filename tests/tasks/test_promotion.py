@@ -135,4 +135,7 @@ def test_reports_say_which_probes_decode(project, monkeypatch):
     use_registry(monkeypatch, project / "fresh")
     import_probes(shipped, if_better=True)
     said = champion_origin(PAIR, "all")
-    assert said.startswith(f"semspec-{PAIR}-target-all v1, imported from {shipped}") and "routing score 0.7" in said
+    assert (
+        said.startswith(f"semspec-{PAIR}-target-all v1, imported from {shipped}")
+        and "routing score 0.7" in said
+    )
