@@ -157,22 +157,6 @@ static inline void block_rows(const Int4Input& in, int64_t r, int64_t rows, int6
   tile_rows(in, r, rows, K, qb, szb, out);
 }
 
-// y (M, N) for few rows: each thread streams its blocks once, every row of the call against each
-template <typename Store>
-static void int4_mm(const Int4Input& in, int64_t M, int64_t K, const uint8_t* q, const uint16_t* sz, int64_t N,
-                    Store store, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < N / BLOCK; ++b) {
-    float out[RMAX * BLOCK];
-    for (int64_t r = 0; r < M; r += RMAX) {
-      const int64_t rows = M - r < RMAX ? M - r : RMAX;
-      block_rows(in, r, rows, K, q, sz, b, out);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int c = 0; c < BLOCK; ++c) store((r + i) * N + b * BLOCK + c, out[i * BLOCK + c]);
-    }
-  }
-}
-
 // y (M, N) for many rows: each thread takes blocks and runs every tile of up to 8 rows over each, so a
 // block's weights are read from memory once per call (then from cache)
 template <typename Store>
@@ -191,14 +175,4 @@ static void int4_gemm(const Int4Input& in, int64_t M, int64_t K, const uint8_t* 
         for (int c = 0; c < BLOCK; ++c) store((r + i) * N + b * BLOCK + c, acc[i * BLOCK + c]);
     }
   }
-}
-
-// y (M, N) = x @ w^T: calls of fewer than GEMM_ROWS rows stream the weights (int4_mm), more run the tiles
-template <typename Store>
-static void int4_product(const Int4Input& in, int64_t M, int64_t K, const uint8_t* q, const uint16_t* sz,
-                         int64_t N, Store store, int threads) {
-  if (M < GEMM_ROWS)
-    int4_mm(in, M, K, q, sz, N, store, threads);
-  else
-    int4_gemm(in, M, K, q, sz, N, store, threads);
 }

@@ -108,22 +108,6 @@ static inline void block_rows(const Int4Input& in, int64_t r, int64_t rows, int6
   }
 }
 
-// y (M, N) = x (M, K) @ w^T for packed int4 w, x bfloat16 with its group sums; store(y index, value)
-template <typename Store>
-static void int4_mm(const Int4Input& in, int64_t M, int64_t K, const uint8_t* q, const uint16_t* sz, int64_t N,
-                    Store store, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < N / BLOCK; ++b) {
-    float out[RMAX * BLOCK];
-    for (int64_t r = 0; r < M; r += RMAX) {
-      const int64_t rows = M - r < RMAX ? M - r : RMAX;
-      block_rows(in, r, rows, K, q, sz, b, out);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int c = 0; c < BLOCK; ++c) store((r + i) * N + b * BLOCK + c, out[i * BLOCK + c]);
-    }
-  }
-}
-
 static inline __m512bh bcast_pair(const uint16_t* p) {  // x[k], x[k + 1] in every 32-bit lane
   int32_t v;
   memcpy(&v, p, 4);
@@ -213,15 +197,4 @@ static void int4_gemm(const Int4Input& in, int64_t M, int64_t K, const uint8_t* 
         for (int c = 0; c < nb * BLOCK; ++c) store((r + i) * N + 2 * p * BLOCK + c, acc[i * nb * BLOCK + c]);
     }
   }
-}
-
-// y (M, N) = x @ w^T: calls of fewer than GEMM_ROWS rows stream the weights (int4_mm); more run the tiles
-// (int4_gemm), which are faster from 4 rows on
-template <typename Store>
-static void int4_product(const Int4Input& in, int64_t M, int64_t K, const uint8_t* q, const uint16_t* sz,
-                         int64_t N, Store store, int threads) {
-  if (M < GEMM_ROWS)
-    int4_mm(in, M, K, q, sz, N, store, threads);
-  else
-    int4_gemm(in, M, K, q, sz, N, store, threads);
 }
