@@ -48,7 +48,8 @@ from collections.abc import Iterator
 import torch
 
 from semspec.models.cpu import attention, decode_layer, formats, int4_kernel, int8_kernel
-from semspec.models.cpu.formats import DENSE_DTYPES, Format, QuantLinear, cpu_info
+from semspec.models.cpu.cpuinfo import cpu_info
+from semspec.models.cpu.formats import DENSE_DTYPES, Format, QuantLinear
 from semspec.models.lm import LM, LMState, load_lm
 from semspec.models.project.pairs import load_pair
 from semspec.models.project.settings import reload_settings

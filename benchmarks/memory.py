@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from semspec.models.cpu.formats import cpu_info
+from semspec.models.cpu.cpuinfo import cpu_info
 from semspec.models.project.pairs import load_pair
 from semspec.tasks.llamacpp import gguf_path
 

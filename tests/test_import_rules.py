@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.imports import LAYERS, cycles, diagram, floor, graph, upward
+
 ROOT = Path(__file__).resolve().parents[1]
 ORCHESTRATION = ("prefect", "mlflow", "ray", "dvc", "semspec.tasks", "semspec.flows")
 # (folder or file, what its modules never import, why)
@@ -20,6 +22,12 @@ RULES = [
     ),
     ("models/spec/rules.py", ("semspec", "torch", "numpy"), "the rule is arithmetic on p, q, u"),
     ("models/cpu", ("semspec.models.lm", "semspec.models.spec"), "the runtime is below the models"),
+    ("tasks", ("prefect",), "a stage runs under DVC, Prefect or a test alike: Prefect lives in flows/"),
+    (
+        "semspec",
+        ("prefect", "mlflow", "ray", "dvc", "lightning"),
+        "the core package installs and runs without the pipeline's services",
+    ),
 ]
 # the algorithm's leaves: the vocabulary, what a step is, the rule and answer grading; the LM adapter may
 # read these and nothing else of models/spec, so the algorithm sits on the adapter and not the other way
@@ -93,3 +101,34 @@ def test_models_is_four_subsystems_and_nothing_loose():
         "cpu",
         "project",
     }
+
+
+def test_no_module_imports_itself_back_through_others():
+    """No import circle anywhere in the project: lazy and type-only imports count, as they tie the
+    modules together all the same."""
+    g = graph()
+    assert len(g) > 100 and "semspec.flows.serve.run" in g, "the walk sees every package"
+    assert not cycles(g), f"import circles: {cycles(g)}"
+
+
+def test_the_cycle_check_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_imports_from_its_floor_or_below():
+    """The floors of docs/development.md, lowest first: the environment, the CPU runtime, the algorithm's
+    leaves, the LM adapter, the algorithm, the project's files, the pipeline stages, the core API, the
+    CLI and server."""
+    g = graph()
+    assert not upward(g), f"imports from a lower floor to a higher one: {upward(g)}"
+    assert floor("semspec.models.spec.rules") < floor("semspec.models.lm.adapter") < floor("semspec.api")
+    assert [name for name, _ in LAYERS][-1] == "CLI, server, flows" and floor("semspec.flows.cli") == 8
+
+
+def test_the_layer_picture_in_the_docs_is_drawn_from_the_code():
+    """docs/development.md shows ``python -m tests.helpers.imports``'s diagram as it is now."""
+    text = (ROOT / "docs/development.md").read_text(encoding="utf-8")
+    assert f"```mermaid\n{diagram(graph())}\n```" in text, (
+        "the layer diagram is stale: paste `python -m tests.helpers.imports` into docs/development.md"
+    )

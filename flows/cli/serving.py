@@ -89,8 +89,8 @@ def serve(
 ) -> None:
     """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics); concurrent requests are decoded together."""
-    from semspec.flows.serve.app import run_server
     from semspec.flows.serve.config import ServeConfig, parse_spec_max_batch, read_key_file
+    from semspec.flows.serve.run import run_server
 
     options = {k: v for k, v in locals().items() if k in {f.name for f in fields(ServeConfig)}}
     if api_key_file is not None:

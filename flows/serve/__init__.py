@@ -7,7 +7,7 @@ SemanticSpec trace in the extension field ``semspec``. Every failure is answered
 and the server keeps serving; a full queue answers 429 with ``Retry-After``.
 
 Modules: ``config`` (``ServeConfig``, the speculation threshold), ``app`` (``create_app``: lifespan, error
-handlers, API key check; ``run_server``), ``routes`` (the endpoints), ``replies`` (the bodies, the event
+handlers, API key check), ``run`` (``run_server``: uvicorn or the replicas), ``routes`` (the endpoints), ``replies`` (the bodies, the event
 stream and the errors in OpenAI's schema), ``metrics`` (Prometheus) and ``replicas`` (Ray Serve). The
 request and response models are in ``flows.openai_schema``. Nothing is imported here: import from the
 module that defines a name.

@@ -1,7 +1,6 @@
 """The app of ``semspec serve``: ``create_app`` wires one engine (started and stopped by the app's
 lifespan), the error handlers that answer every failure in OpenAI's error schema (a full queue: 429 with
-``Retry-After``), the API key check and the endpoints of ``routes``; ``run_server`` serves it with uvicorn,
-or as Ray Serve replicas (``replicas``).
+``Retry-After``), the API key check and the endpoints of ``routes`` (``run`` serves it).
 """
 
 from __future__ import annotations
@@ -96,27 +95,3 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     app.include_router(api_router(cfg.max_tokens_limit, cfg.max_messages))
     app.add_middleware(Guard, cfg=cfg)  # Host, API key, body size and time, before any handler
     return app
-
-
-def run_server(
-    pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig, replicas: int = 0
-) -> None:
-    """Load the pair (every check first, then the models, once) and serve it until interrupted: in this
-    process with uvicorn, or with ``replicas`` >= 1 as that many Ray Serve replicas of the same app."""
-    if replicas:
-        from semspec.flows.serve.replicas import serve_replicas
-
-        serve_replicas(pair, probes, probe, cfg, replicas)
-        return
-    import uvicorn
-
-    from semspec.api import load
-
-    spec = load(pair, probes=probes, probe=probe)
-    uvicorn.run(
-        create_app(spec, cfg),
-        host=cfg.host,
-        port=cfg.port,
-        log_level="info",
-        **cfg.uvicorn_options(),
-    )

@@ -81,7 +81,7 @@ class ServeConfig:
 
 def cpu_kind() -> str:
     """``amx``, ``avx512_bf16`` or ``avx2``: the kinds whose serving threshold differs."""
-    from semspec.models.cpu.formats import cpu_info
+    from semspec.models.cpu.cpuinfo import cpu_info
 
     cpu = cpu_info()
     return "amx" if cpu.amx else ("avx512_bf16" if cpu.native_bf16 else "avx2")

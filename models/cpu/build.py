@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from semspec.models.cpu import cpuinfo
 from semspec.models.project.settings import settings
 
 log = logging.getLogger(__name__)
@@ -166,9 +167,7 @@ def load_best(
     """Kernel ``name`` built for the best instruction set of ``among`` that ``SEMSPEC_KERNELS`` allows
     and this CPU runs, loaded: (library, instruction set). None where none fits (a warning that ``what``
     is off and ``instead`` runs, with ``warn_missing`` and the switch not ``off``) or it cannot be built."""
-    from semspec.models.cpu.formats import cpu_info  # the CPU flags are read once, there
-
-    target = isa(cpu_info().flags, among)
+    target = isa(cpuinfo.cpu_info().flags, among)
     if target is None:
         if warn_missing and settings().kernels != "off":
             log.warning("%s kernel off (%s): %s, slower", what, cpu_lacks(), instead)

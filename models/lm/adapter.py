@@ -37,7 +37,7 @@ class LM(TextMixin, ForwardMixin, ScoringMixin, StepDecodingMixin):
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
         self.load_seconds: float = 0.0
         # an empty cache of this model's layer types, built once: its sliding windows bound padded batches
-        self._layout = DynamicCache(config=model.config)
+        self.cache_layout = DynamicCache(config=model.config)
         self._check_delimiter()
         window = getattr(text_cfg, "max_position_embeddings", None)
         self.context_window: int | None = int(window) if window else None  # positions the model was built for

@@ -21,7 +21,7 @@ class ForwardMixin:
     device: torch.device
     format: Format
     context_window: int | None
-    _layout: DynamicCache
+    cache_layout: DynamicCache
     model_id: str
 
     @torch.inference_mode()
@@ -103,7 +103,7 @@ class ForwardMixin:
             raise ValueError("every row needs at least one new token")
         lens = [0 if c is None else c.get_seq_length() for c in caches]
         width, k = max(lens), max(len(ids) for ids in new_ids)
-        if len(caches) == 1 or not stackable(caches, self._layout, width + k):
+        if len(caches) == 1 or not stackable(caches, self.cache_layout, width + k):
             rows = []
             for cache, ids in zip(caches, new_ids, strict=True):
                 keep = torch.tensor([len(ids) - 1]) if last_only else None

@@ -12,10 +12,11 @@ on, feeds them, and cuts a leaving row's own cache out of the shared one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -23,10 +24,31 @@ from transformers.generation.logits_process import (
 )
 
 from semspec.models.lm.cache import row_cache, stack_caches, stackable
+from semspec.models.lm.pair import ModelSpec
 from semspec.models.lm.types import NextBudget, Partial, Pooled, StepSample, StepStart, pool_tokens
 
-if TYPE_CHECKING:
-    from semspec.models.lm.adapter import LM
+
+class LM(Protocol):
+    """What the loop reads of the model it runs (``models/lm/adapter.LM`` is one): its sizes, its spec
+    (the pooling), its tokenizer and stop check, its forward and the cache layout padded batches keep."""
+
+    model: PreTrainedModel
+    spec: ModelSpec
+    tokenizer: Any
+    num_layers: int
+    hidden_size: int
+    cache_layout: DynamicCache
+
+    def check_stop(self, toks: list[int]) -> tuple[str, str] | None: ...
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: Cache | None,
+        all_logits: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Cache]: ...
 
 
 @dataclass
@@ -217,7 +239,7 @@ def _can_stack(lm: LM, starts: list[StepStart], min_steps: int) -> bool:
     ``min_steps`` budgets (budgets never grow)."""
     caches = [st.source.cache for st in starts]
     width = max(c.get_seq_length() for c in caches)
-    return stackable(caches, lm._layout, width + min_steps * max(st.max_tokens for st in starts))
+    return stackable(caches, lm.cache_layout, width + min_steps * max(st.max_tokens for st in starts))
 
 
 def _classify(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from semspec.models.cpu import attention, build, int8_kernel
-from semspec.models.cpu.formats import cpu_info
+from semspec.models.cpu.cpuinfo import cpu_info
 from semspec.models.project.settings import reload_settings
 
 BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None

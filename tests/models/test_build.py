@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from semspec.models.cpu import build, int4_kernel, int8_kernel
-from semspec.models.cpu.formats import cpu_info
+from semspec.models.cpu.cpuinfo import cpu_info
 from semspec.models.project.settings import Settings, reload_settings
 
 CAN_BUILD = build.compiler() is not None and build.ISAS["AVX2"][1] <= cpu_info().flags

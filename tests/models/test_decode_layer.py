@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from semspec.models.cpu import attention, build, decode_layer, int4_kernel, int8_kernel
-from semspec.models.cpu.formats import Format, cpu_info, quantize_model
+from semspec.models.cpu.cpuinfo import cpu_info
+from semspec.models.cpu.formats import Format, quantize_model
 from semspec.models.project.settings import Settings, reload_settings
 
 BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None

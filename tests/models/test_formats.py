@@ -84,7 +84,7 @@ def test_explicit_formats_are_kept_and_bfloat16_without_native_support_says_so()
 
 
 def test_the_flags_come_from_proc_cpuinfo(tmp_path):
-    from semspec.models.cpu.formats import _cpu_flags
+    from semspec.models.cpu.cpuinfo import _cpu_flags
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\nflags\t\t: fpu AVX2 avx512_bf16 amx_tile\nbugs : none\n")
@@ -95,16 +95,16 @@ def test_the_flags_come_from_proc_cpuinfo(tmp_path):
 def test_forced_to_avx2_the_cpu_is_seen_as_an_avx2_only_one(monkeypatch):
     """``SEMSPEC_KERNELS=avx2``: no AVX-512 or AMX flag reaches the format rule or the kernels, and every
     figure's label says so."""
-    from semspec.models.cpu import formats
+    from semspec.models.cpu import cpuinfo
 
     monkeypatch.setattr(
-        formats, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
+        cpuinfo, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
     )
-    formats._cpu_info.cache_clear()
+    cpuinfo._cpu_info.cache_clear()
     monkeypatch.setenv("SEMSPEC_KERNELS", "avx2")
     reload_settings()
     try:
-        cpu = formats.cpu_info()
+        cpu = cpuinfo.cpu_info()
         assert cpu.flags == {"avx2", "fma"} and not cpu.native_bf16 and not cpu.amx
         assert "seen as AVX2-only" in cpu.label()
         fmt = resolve_format("auto", "cpu")
@@ -112,9 +112,9 @@ def test_forced_to_avx2_the_cpu_is_seen_as_an_avx2_only_one(monkeypatch):
         assert "semspec's int4 kernel, int8 activations" in fmt.describe()
         monkeypatch.delenv("SEMSPEC_KERNELS")
         reload_settings()
-        assert formats.cpu_info().amx and resolve_format("auto", "cpu").dense_rows == 6
+        assert cpuinfo.cpu_info().amx and resolve_format("auto", "cpu").dense_rows == 6
     finally:
-        formats._cpu_info.cache_clear()
+        cpuinfo._cpu_info.cache_clear()
         reload_settings()
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from semspec.models.cpu import build, int4_kernel
-from semspec.models.cpu.formats import Format, QuantLinear, _dequantize, cpu_info, quantize_int4
+from semspec.models.cpu.cpuinfo import cpu_info
+from semspec.models.cpu.formats import Format, QuantLinear, _dequantize, quantize_int4
 
 BF16 = int4_kernel.CPU_FLAGS.issubset(cpu_info().flags) and build.compiler() is not None
 RUNS = build.ISAS["AVX2"][1].issubset(cpu_info().flags) and build.compiler() is not None

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from semspec.models.cpu import build, int8_kernel
-from semspec.models.cpu.formats import Format, QuantLinear, cpu_info, quantize_model
+from semspec.models.cpu.cpuinfo import cpu_info
+from semspec.models.cpu.formats import Format, QuantLinear, quantize_model
 
 BUILDABLE = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 needs_build = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX2/FMA CPU and a C++ compiler")
@@ -162,9 +163,9 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
 
 
 def test_a_build_the_cpu_cannot_run_is_off_and_says_which(fresh, monkeypatch, caplog):
-    from semspec.models.cpu import formats
+    from semspec.models.cpu import cpuinfo
 
-    monkeypatch.setattr(formats, "cpu_info", lambda: formats.CpuInfo("AVX2", frozenset({"avx2", "fma"})))
+    monkeypatch.setattr(cpuinfo, "cpu_info", lambda: cpuinfo.CpuInfo("AVX2", frozenset({"avx2", "fma"})))
     monkeypatch.setenv("SEMSPEC_KERNELS", "avx512")
     with caplog.at_level(logging.WARNING, logger=int8_kernel.__name__):
         assert int8_kernel.int8_mm() is None

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from semspec.models.cpu import build, int4_kernel, int8_kernel, ops
-from semspec.models.cpu.formats import cpu_info, quantize_int4
+from semspec.models.cpu.cpuinfo import cpu_info
+from semspec.models.cpu.formats import quantize_int4
 
 INT8 = build.isa(cpu_info().flags, int8_kernel.ISAS) is not None and build.compiler() is not None
 INT4 = build.isa(cpu_info().flags, (int4_kernel.ISA,)) is not None and build.compiler() is not None
