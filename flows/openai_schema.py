@@ -153,6 +153,9 @@ class StepOut(BaseModel):
     p: float | None = None
     q: float | None = None
     tokens: int = 0
+    rejected_by: str | None = (
+        None  # why the target wrote the step: ratio, floor, target_rule, token_check, ...
+    )
 
 
 class Trace(BaseModel):

@@ -42,13 +42,25 @@ class Step:
     q: float | None = None  # the draft probe's
     tokens: int = 0  # the step's tokens in the target's tokenizer (the draft's for the draft alone)
     proposal: str | None = None  # the draft's rejected text, where the target rewrote it
+    # why the target wrote the step: the rule's part that rejected the proposal (ratio, floor, target_rule,
+    # token_check), or budget, empty, score (``models/spec/rules.REJECTED_BY``); None: nothing was judged
+    rejected_by: str | None = None
 
     @classmethod
     def from_record(cls, record: StepRecord) -> Step:
         """The public view of a decoder's ``StepRecord``."""
         accepted = True if record.author == "draft" else (False if record.proposal is not None else None)
         tokens = record.target_tokens or record.draft_tokens
-        return cls(record.author, record.text, accepted, record.p, record.q, tokens, record.proposal)
+        return cls(
+            record.author,
+            record.text,
+            accepted,
+            record.p,
+            record.q,
+            tokens,
+            record.proposal,
+            record.rejected_by,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""

@@ -271,10 +271,10 @@ class Engine:
         """One round of one lane: drop cancelled rows, advance the rest, resolve the finished."""
         lane = self._lanes[key]
         for row in [r for r in lane.rows if lane.requests[r.index].cancelled.is_set()]:
-            lane.rows.remove(row)
+            lane.drop(row)
             self._fail(lane.requests.pop(row.index), Stopped("cancelled"))
         for row in [r for r in lane.rows if (q := lane.requests[r.index].stops) is not None and q.stopped]:
-            lane.rows.remove(row)  # its answer ended at a stop string: no more rounds for it
+            lane.drop(row)  # its answer ended at a stop string: no more rounds for it
             finish_result(lane.decoder.method, row.res, row.t0, lane.decoder.settings)
             self._resolve(lane, row)
         if not lane.rows:
@@ -323,14 +323,13 @@ class Engine:
         if target_key not in self._lanes:
             self._lanes[target_key] = Lane(self.decoders(*target_key))
         into = self._lanes[target_key]
-        moving = [r for r in lane.rows if r.queued is None]  # a row waiting for a rewrite moves after it
+        moving = lane.decoder.hand_over(lane.rows)  # a row waiting for a rewrite moves after it
         for row in moving:
-            row.draft = None  # its draft reads no more of this answer
             req = lane.requests.pop(row.index)
             req.solo = True
             into.requests[row.index] = req
         into.rows += moving
-        lane.rows = [r for r in lane.rows if r.queued is not None]
+        lane.rows = [r for r in lane.rows if r not in moving]
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """Fail ``req``: its futures first, then ``on_done``, whose own error is only logged."""

@@ -31,16 +31,21 @@ class Lane:
         done = []
         for row in list(self.rows):
             if progress(row) != before[row.index]:
-                self.rows.remove(row)
+                self.drop(row)
                 fail(self.requests.pop(row.index), error)
                 continue
             try:
                 done += self.decoder.step([row])
             except Exception as e:
                 log.exception("request %d failed", row.index)
-                self.rows.remove(row)
+                self.drop(row)
                 fail(self.requests.pop(row.index), e)
         return done
+
+    def drop(self, row: Row) -> None:
+        """Take ``row`` out of the lane before it finishes; its decoder forgets it."""
+        self.rows.remove(row)
+        self.decoder.release([row])
 
 
 def step_callback(by_id: dict[int, Request]) -> Callable[[int, StepRecord], None]:

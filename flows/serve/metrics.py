@@ -54,6 +54,12 @@ class ServeMetrics:
         self.steps = Counter(
             "semspec_draft_steps", "SemanticSpec's draft proposals, by outcome.", ["outcome"], registry=r
         )
+        self.rejected = Counter(
+            "semspec_rejected_steps",
+            "Steps the target wrote, by what rejected the draft's: ratio, floor, target_rule, token_check, budget, empty.",
+            ["reason"],
+            registry=r,
+        )
         self.spec_off = Counter(
             "semspec_speculation_off_rounds",
             "Rounds in which a SemanticSpec request's step was written by the target alone (the batch was full).",
@@ -114,6 +120,8 @@ class ServeMetrics:
                 self.steps.labels("accepted").inc()
             elif step.proposal is not None:
                 self.steps.labels("rejected").inc()
+            if step.rejected_by is not None:
+                self.rejected.labels(step.rejected_by).inc()
         self.latency.labels(method).observe(
             res.timings.total + ((req.started or req.submitted) - req.submitted)
         )

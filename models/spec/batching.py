@@ -9,15 +9,13 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from semspec.models.lm import (
     LM,
     LMState,
     Prompt,
     StepSample,
-    StepScore,
     StepStart,
 )
 from semspec.models.spec.names import ROLES
@@ -33,9 +31,6 @@ from semspec.models.spec.results import (
 from semspec.models.spec.settings import (
     DecodeSettings,
 )
-
-if TYPE_CHECKING:  # a row's queued rewrite; draft_target imports this module
-    from semspec.models.spec.draft_target import Rewrite
 
 
 def step_room(s: DecodeSettings, lm: LM, used: int, limit: int | None = None) -> int:
@@ -59,9 +54,11 @@ def uniform(key: str, n: int) -> float:
     return rng.random()
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One problem of a batch: its result so far and both models' states."""
+    """One problem of a batch: its result so far and both models' states. What one method keeps of a row
+    between rounds (a rewrite it owes) belongs to that method's decoder, keyed by the row itself (rows
+    compare and hash by identity)."""
 
     index: int  # the job's key: its position in the list of questions, or a server's request id
     res: DecodeResult
@@ -71,10 +68,6 @@ class Row:
     budget: int  # output tokens this row may write (its job's, else the settings' max_new_tokens)
     draft: LMState | None = None  # the draft's state (None when the decoder has no draft)
     target: LMState | None = None  # the target's state (None when the decoder has no target)
-    queued: Rewrite | None = None  # a rejected step waiting for the target to rewrite it
-    waited: int = 0  # rounds it has waited
-    # the target's scores of the round's next proposals, from one prefill (``_score_ahead``, gamma > 1)
-    scored: list[StepScore] = field(default_factory=list)
 
     def next_seed(self) -> int:
         """The sampling seed of the row's next step: its seed plus the steps written so far, a rejected
@@ -157,6 +150,15 @@ class BatchDecoder:
         """One round for every live row."""
         raise NotImplementedError
 
+    def waiting(self, row: Row) -> bool:
+        """Whether ``row`` waits in this decoder for work a later round does (a rejected step the target
+        has yet to rewrite): until then it cannot leave for another decoder."""
+        return False
+
+    def release(self, rows: Sequence[Row]) -> None:
+        """Forget what this decoder keeps of ``rows``: they leave it (finished, failed, cancelled or
+        handed to another decoder). ``step`` releases the rows it finishes."""
+
     def decode(self, question: Prompt, on_step: StepCallback | None = None) -> DecodeResult:
         """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
         callback = None if on_step is None else (lambda _i, step: on_step(step))
@@ -178,15 +180,18 @@ class BatchDecoder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         queue, live = deque(Job(i, q) for i, q in enumerate(questions)), []
         results: list[DecodeResult | None] = [None] * len(questions)
-        while queue or live:
-            joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
-            if joining:
-                live += self.admit(joining, on_step)
-            for row in self.step(live):
-                results[row.index] = row.res
-                if on_result is not None:
-                    on_result(row.index, row.res)
-            live = [r for r in live if not r.finished(self.settings)]
+        try:
+            while queue or live:
+                joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
+                if joining:
+                    live += self.admit(joining, on_step)
+                for row in self.step(live):
+                    results[row.index] = row.res
+                    if on_result is not None:
+                        on_result(row.index, row.res)
+                live = [r for r in live if not r.finished(self.settings)]
+        finally:  # a failed call leaves nothing of its rows behind
+            self.release(live)
         return results
 
     def admit(
@@ -225,6 +230,7 @@ class BatchDecoder:
         done = [r for r in live if r.finished(self.settings)]
         for row in done:
             finish_result(self.method, row.res, row.t0, self.settings)
+        self.release(done)
         return done
 
 

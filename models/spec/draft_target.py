@@ -3,7 +3,8 @@ target rewrites the rejected ones together, and the draft rolls back and re-read
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from semspec.models.lm import (
@@ -33,8 +34,9 @@ class Rewrite:
     d_restore: Callable[[], LMState] | None  # None: the draft reads no more of this answer (handed over)
     replay: list[str]  # the round's accepted steps, for the draft to re-read
     proposal: str | None  # None: the target writes the step with nothing proposed (handed over)
-    why: dict[str, float | int | None]
+    why: dict[str, float | int | str | None]  # p, q, u, tok, score and what rejected the step
     salvaged: int = 0  # kept tokens of the proposal (salvage)
+    waited: int = 0  # rounds the row has waited for it
 
 
 class DraftTarget(BatchDecoder):
@@ -52,26 +54,53 @@ class DraftTarget(BatchDecoder):
         """Propose and judge for ``rows``; returns the rejected steps to rewrite."""
         raise NotImplementedError
 
+    @functools.cached_property
+    def _owed(self) -> dict[Row, Rewrite]:
+        """The rewrites this decoder owes its rows: a rejected step waits here for the target."""
+        return {}
+
+    def waiting(self, row: Row) -> bool:
+        """Whether ``row`` waits for the target to rewrite a rejected step."""
+        return row in self._owed
+
+    def release(self, rows: Sequence[Row]) -> None:
+        """Forget the rewrites owed to ``rows`` (they leave this decoder)."""
+        for row in rows:
+            self._owed.pop(row, None)
+
+    def hand_over(self, rows: Sequence[Row]) -> list[Row]:
+        """The rows of ``rows`` that may go on with the target alone, released: those not waiting for a
+        rewrite (a waiting row leaves after the round that rewrites its step), their draft states dropped
+        (the draft reads no more of their answers)."""
+        moving = [r for r in rows if not self.waiting(r)]
+        for row in moving:
+            row.draft = None
+        self.release(moving)
+        return moving
+
     def _advance(self, rows: list[Row]) -> None:
-        """One round (``_round``) for the rows without a queued rewrite. The target rewrites the rejected
-        rows together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could
-        go on without them: its decode forward costs about the same for one row as for several, and a row
-        that waits goes through the same steps (only later)."""
-        s = self.settings
-        active = [r for r in rows if r.queued is None]
+        """One round (``_round``) for the rows owed no rewrite. The target rewrites the rejected rows
+        together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could go on
+        without them: its decode forward costs about the same for one row as for several, and a row that
+        waits goes through the same steps (only later)."""
+        s, owed = self.settings, self._owed
+        active = [r for r in rows if r not in owed]
         for it in self._round(active) if active else []:
-            it.row.queued = it
-        waiting = [r for r in rows if r.queued is not None]
+            owed[it.row] = it
+        waiting = [r for r in rows if r in owed]
         if not waiting:
             return
-        going = [r for r in rows if r.queued is None and not r.finished(s)]
-        if not going or 2 * len(waiting) >= len(rows) or max(r.waited for r in waiting) >= s.rewrite_wait:
-            self._rewrite([r.queued for r in waiting])
-            for r in waiting:
-                r.queued, r.waited = None, 0
+        going = [r for r in rows if r not in owed and not r.finished(s)]
+        if (
+            not going
+            or 2 * len(waiting) >= len(rows)
+            or max(owed[r].waited for r in waiting) >= s.rewrite_wait
+        ):
+            self._rewrite([owed[r] for r in waiting])
+            self.release(waiting)
         else:
             for r in waiting:
-                r.waited += 1
+                owed[r].waited += 1
 
     def _propose(
         self, rows: list[Row], gamma: int, lookahead: int = 0
@@ -112,7 +141,7 @@ class DraftTarget(BatchDecoder):
         return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
 
     def _accept(
-        self, row: Row, step: StepSample, target_state: LMState, k: int, **why: float | int | None
+        self, row: Row, step: StepSample, target_state: LMState, k: int, **why: float | int | str | None
     ) -> None:
         """Keep an accepted draft step: ``target_state`` is the target's state with the step read (``k``
         target tokens), ``why`` what decided it."""

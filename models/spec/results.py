@@ -31,6 +31,7 @@ class StepRecord:
     score: int | None = None  # specreason's 0-9 score
     proposal: str | None = None  # a rejected draft step (what the target rewrote)
     salvaged: int = 0  # target tokens of the rejected proposal that the rewrite kept (salvage)
+    rejected_by: str | None = None  # why the target wrote this step (rules.REJECTED_BY); None: not judged
 
 
 @dataclass

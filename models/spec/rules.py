@@ -12,11 +12,19 @@ Then the options, each named as the README names them:
   target gives one of its tokens a probability ``tok`` below this;
 * **the rejection budget** (``max_rejections``): after that many rejected steps in an answer the draft
   proposes no more (``drafting``).
+
+A verdict names what decided it; a step the target wrote carries that name in its trace as
+``rejected_by`` (``REJECTED_BY``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# why the target wrote a step, as the trace says it (``StepRecord.rejected_by``): the rule's parts (the
+# paper's draw on p/q, the p/q floor, the target's rule, the token check), the rejection budget spent
+# (the target writes with nothing proposed), an empty proposal (nothing to judge), SpecReason's score
+REJECTED_BY = ("ratio", "floor", "target_rule", "token_check", "budget", "empty", "score")
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,12 @@ class Verdict:
     """Whether a step is kept, and which part of the rule decided."""
 
     accepted: bool
-    reason: str  # accepted | draw | target's rule | p/q floor | token check | not scored
+    reason: str  # accepted, or what rejected it: ratio | floor | target_rule | token_check
+
+    @property
+    def rejected_by(self) -> str | None:
+        """What rejected the step (None: kept)."""
+        return None if self.accepted else self.reason
 
 
 def accept(p: float, q: float, u: float, rule: Rule = Rule(), tok: float | None = None) -> Verdict:
@@ -44,13 +57,13 @@ def accept(p: float, q: float, u: float, rule: Rule = Rule(), tok: float | None 
     ratio = p / q if q > 0 else float("inf")  # q = 0: a step its own model never says; p decides
     if rule.min_p is not None:
         if p < rule.min_p:
-            return Verdict(False, "target's rule")
+            return Verdict(False, "target_rule")
     elif not u < min(1.0, ratio):  # the paper's rule
-        return Verdict(False, "draw")
+        return Verdict(False, "ratio")
     if rule.min_ratio is not None and ratio < rule.min_ratio:
-        return Verdict(False, "p/q floor")
+        return Verdict(False, "floor")
     if rule.min_token_p is not None and tok is not None and not tok >= rule.min_token_p:
-        return Verdict(False, "token check")
+        return Verdict(False, "token_check")
     return Verdict(True, "accepted")
 
 

@@ -56,7 +56,7 @@ class Judgement:
 
     score: StepScore | None  # the target's scoring of the step (None for an empty step)
     accepted: bool
-    why: dict[str, float]  # p, q and the uniform draw u
+    why: dict[str, float | str | None]  # p, q, the uniform draw u and what rejected the step (None: kept)
     restore: Callable[[], LMState]  # the target's state before the step
 
 
@@ -104,7 +104,7 @@ class SemanticSpecDecoder(DraftTarget):
         writes = []
         for row in handed:
             start = StepStart(row.target, row.step_budget(s, self.target), row.next_seed())
-            writes.append(Rewrite(row, start, None, [], None, {}))
+            writes.append(Rewrite(row, start, None, [], None, {"rejected_by": "budget"}))
         return writes + (self._verify_round(going) if going else [])
 
     def _verify_round(self, rows: list[Row]) -> list[Rewrite]:
@@ -116,6 +116,7 @@ class SemanticSpecDecoder(DraftTarget):
         d_restores = {r.index: r.draft.checkpoint(s.gamma * step_room(s, self.draft, 0) + 8) for r in rows}
         proposals = self._propose(rows, s.gamma, s.lookahead)
         verifying, rewrites, dropped = list(rows), [], []
+        ahead_scores: dict[int, list[StepScore]] = {}  # row -> the target's scores of its next proposals
         start_used: dict[int, int] = {}  # row -> output tokens where its current virtual round began
         for i in range(max(len(p) for p in proposals.values())):
             current = []
@@ -137,8 +138,9 @@ class SemanticSpecDecoder(DraftTarget):
                 break
             steps = [proposals[r.index][i][0] for r in current]
             if s.gamma > 1 and i % s.gamma == 0:
-                self._score_ahead(current, [proposals[r.index][i : i + s.gamma] for r in current], start_used)
-            verdicts = self._judge(current, steps)
+                groups = [proposals[r.index][i : i + s.gamma] for r in current]
+                ahead_scores.update(self._score_ahead(current, groups, start_used))
+            verdicts = self._judge(current, steps, ahead_scores)
             verifying = []
             for row, step, v in zip(current, steps, verdicts, strict=True):
                 if v.accepted and v.score is not None:
@@ -151,7 +153,6 @@ class SemanticSpecDecoder(DraftTarget):
                 rewrites.append(Rewrite(row, start, d_restores[row.index], replay, step.text, v.why, kept))
         rejected = {it.row.index for it in rewrites}
         for row in rows:  # a row that stopped inside a jointly scored run: its cache holds steps not taken
-            row.scored = []
             if row.index not in rejected and row.target is not None:
                 crop_to(row.target.cache, len(row.target.ids))
         if dropped:
@@ -163,11 +164,12 @@ class SemanticSpecDecoder(DraftTarget):
 
     def _score_ahead(
         self, rows: list[Row], groups: list[list[tuple[StepSample, int]]], start_used: dict[int, int]
-    ) -> None:
+    ) -> dict[int, list[StepScore]]:
         """With ``gamma`` > 1: the target scores each row's proposals of this virtual round (``groups[b]``,
         the first already found valid) in one padded prefill, one pass over its weights for up to
-        ``gamma`` steps; ``_judge`` then takes the scores in order. A run ends before an empty or invalid
-        step and after an EOS step, and is a single step where a sliding window could not crop back."""
+        ``gamma`` steps; returns row index -> its scores, which ``_judge`` takes in order. A run ends
+        before an empty or invalid step and after an EOS step, and is a single step where a sliding window
+        could not crop back."""
         s, runs, scored = self.settings, [], []
         per_step = scored_room(s, self.target)
         for row, group in zip(rows, groups, strict=True):
@@ -185,17 +187,19 @@ class SemanticSpecDecoder(DraftTarget):
                 runs.append(run)
                 scored.append(row)
         if not scored:
-            return
+            return {}
         with Clock(timings_of(scored), "verify"):
             out = self.target.score_runs([r.target for r in scored], runs)
         for row, scores in zip(scored, out, strict=True):
-            row.scored = scores
             row.res.target_prefill_tokens += sum(len(sc.token_ids) for sc in scores)
+        return {row.index: scores for row, scores in zip(scored, out, strict=True)}
 
-    def _judge(self, rows: list[Row], steps: list[StepSample]) -> list[Judgement]:
+    def _judge(
+        self, rows: list[Row], steps: list[StepSample], ahead_scores: dict[int, list[StepScore]]
+    ) -> list[Judgement]:
         """The target prefills each row's step on its cache (in place, all rows in one padded prefill;
-        a row's score from ``_score_ahead`` is taken as it is) and the probes give q and p (batched); a
-        step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
+        a row's next score from ``_score_ahead``, in ``ahead_scores``, is taken as it is) and the probes give q
+        and p (batched); a step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
         when ``p >= min_p``; with ``min_token_p``, a step so accepted is then rejected when the target
         gives one of its tokens a lower probability (one head pass over the accepted steps' positions).
         Returns each row's verdict."""
@@ -203,7 +207,9 @@ class SemanticSpecDecoder(DraftTarget):
         restores = [r.target.checkpoint(scored_room(s, self.target)) for r in rows]
         with Clock(tms, "probe"):
             qs = probe_all(self.q_probe, [step.pooled for step in steps])
-        scores: list[StepScore | None] = [r.scored.pop(0) if r.scored else None for r in rows]
+        scores: list[StepScore | None] = [
+            ahead_scores[r.index].pop(0) if ahead_scores.get(r.index) else None for r in rows
+        ]
         idx = [b for b, step in enumerate(steps) if step.text and scores[b] is None]
         if idx:
             scored = [rows[b] for b in idx]
@@ -222,8 +228,10 @@ class SemanticSpecDecoder(DraftTarget):
         accepts, whys = [], []
         for b, row in enumerate(rows):
             p, q, u = ps[b], qs[b], row.draw()  # u is drawn for every row, scored or not
-            accepts.append(scores[b] is not None and rules.accept(p, q, u, s.rule).accepted)
-            whys.append({"p": p, "q": q, "u": u})
+            verdict = rules.accept(p, q, u, s.rule) if scores[b] is not None else None
+            accepts.append(verdict is not None and verdict.accepted)
+            why = verdict.rejected_by if verdict is not None else "empty"
+            whys.append({"p": p, "q": q, "u": u, "rejected_by": why})
         if s.min_token_p is not None:
             self._check_tokens(rows, scores, accepts, whys)
         return [
@@ -244,7 +252,8 @@ class SemanticSpecDecoder(DraftTarget):
         for b in checked:
             w = whys[b]
             w["tok"] = float(scores[b].token_p.min())
-            accepts[b] = rules.accept(w["p"], w["q"], w["u"], self.settings.rule, w["tok"]).accepted
+            verdict = rules.accept(w["p"], w["q"], w["u"], self.settings.rule, w["tok"])
+            accepts[b], w["rejected_by"] = verdict.accepted, verdict.rejected_by
 
     def _salvage(
         self, row: Row, score: StepScore | None, t_restore: Callable[[], LMState]

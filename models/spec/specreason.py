@@ -92,5 +92,6 @@ class SpecReasonDecoder(DraftTarget):
                 continue
             budget = row.step_budget(s, self.target)
             start = StepStart(t_restores[b](), budget, row.next_seed() + 1)  # the seed after the proposal's
-            rewrites.append(Rewrite(row, start, d_restores[row.index], [], step.text, {"score": score}))
+            why = {"score": score, "rejected_by": "score" if step.text else "empty"}
+            rewrites.append(Rewrite(row, start, d_restores[row.index], [], step.text, why))
         return rewrites

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import warnings
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,7 @@ def summarize_rows(
         "speedup_per_token": None,
         "ms_per_token": 1000 * seconds / tokens if tokens else None,
         "n": len(rows),
+        **rejections_by_reason(rows),
     }
     base = {(r["question_id"], r["seed"]): r for r in base_rows or []}
     both = [(r, base[k]) for r in rows if (k := (r["question_id"], r["seed"])) in base]
@@ -104,6 +106,13 @@ def overall_metrics(
 
     base = pooled("target") if "target" in labels else None
     return {label: summarize_rows(pooled(label), base) for label in labels if pooled(label)}
+
+
+def rejections_by_reason(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps the target wrote, counted by what rejected the draft's (``rejected_<reason>``, each reason of
+    ``rules.REJECTED_BY`` that occurs in the rows' traces)."""
+    counts = Counter(s["rejected_by"] for r in rows for s in r.get("steps", []) if s.get("rejected_by"))
+    return {f"rejected_{reason}": n for reason, n in sorted(counts.items())}
 
 
 def _cost(r: dict[str, Any]) -> float:
@@ -149,6 +158,7 @@ def problem_row(
                 "u": s.u,
                 "target_tokens": s.target_tokens,
                 **({} if s.tok is None else {"tok": s.tok}),  # the token check's least probability
+                **({} if s.rejected_by is None else {"rejected_by": s.rejected_by}),
             }
             for s in res.steps
         ],

@@ -14,31 +14,36 @@ from semspec.request import Request
 from tests.helpers.serving import TinySpec, running_server
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
-WAITING = object()  # stands for a rejected step queued for the target's rewrite
 
 
 class _Rewrites:
     """A decoder whose first SemanticSpec round waits for ``go`` and then leaves its row waiting for a
-    rewrite (``queued`` set); the next round that steps the row does the rewrite (clears it) and records
-    how many requests the engine had in flight."""
+    rewrite (``waiting`` says so, and ``hand_over`` keeps it back, as a real one does); the next round
+    that steps the row does the rewrite and records how many requests the engine had in flight."""
 
     def __init__(self, inner, engine_ref: list, seen: list[int], go: threading.Event) -> None:
         self.inner, self.engine_ref, self.seen, self.go = inner, engine_ref, seen, go
+        self.held: list = []  # rows waiting for a rewrite
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def waiting(self, row) -> bool:
+        return any(row is r for r in self.held)
+
+    def hand_over(self, rows):
+        return self.inner.hand_over([r for r in rows if not self.waiting(r)])
+
     def step(self, rows):
         if self.inner.method == "semanticspec":
             for row in rows:
-                if row.queued is WAITING:
+                if self.waiting(row):
                     self.seen.append(self.engine_ref[0].running)
-                    row.queued = None
+                    self.held.remove(row)
         done = self.inner.step(rows)
         if self.inner.method == "semanticspec" and not self.seen:
             assert self.go.wait(10)
-            for row in rows:
-                row.queued = WAITING
+            self.held += rows
         return done
 
 

@@ -39,10 +39,14 @@ def test_the_openai_client_gets_the_answer_the_api_decodes(server, spec):
     trace = out.model_extra["semspec"]
     assert trace["method"] == trace["ran_as"] == "semanticspec" and trace["speculation"] is True
     assert "".join(s["text"] for s in trace["steps"]) == alone.text
-    assert [(s["author"], s["p"], s["q"]) for s in trace["steps"]] == [
-        (s.author, s.p, s.q) for s in alone.steps
+    assert [(s["author"], s["p"], s["q"], s["rejected_by"]) for s in trace["steps"]] == [
+        (s.author, s.p, s.q, s.rejected_by) for s in alone.steps
     ]
     assert {s["author"] for s in trace["steps"]} == {"draft", "target"}  # p 0.5 / q 1.0: some of each
+    # the draw on p/q = 0.5 rejects the target's steps; the counter says so
+    why = {s["rejected_by"] for s in trace["steps"] if s["author"] == "target"}
+    assert "ratio" in why and why <= {"ratio", "empty"}
+    assert 'semspec_rejected_steps_total{reason="ratio"}' in httpx.get(f"{base}/metrics").text
 
 
 def test_streaming_gives_the_same_text_step_by_step(server, spec):

@@ -99,6 +99,9 @@ def test_min_ratio_rejects_low_ratios(pair):
         draft, target, q_probe=lambda h: 1.0, p_probe=lambda h: 0.5, settings=settings
     ).decode(Q)
     assert all(s.author == "target" for s in res.steps)
+    # p/q = 0.5 < 0.9: the draw may pass (u < 0.5) and the floor reject, or the draw reject first
+    assert {s.rejected_by for s in res.steps} <= {"ratio", "floor"}
+    assert all(s.rejected_by == ("ratio" if s.u >= 0.5 else "floor") for s in res.steps)
 
 
 def test_min_p_accepts_by_the_targets_probe_alone(pair):
@@ -113,6 +116,7 @@ def test_min_p_accepts_by_the_targets_probe_alone(pair):
     assert {s.author for s in judged} == {"draft", "target"}, "this test needs both accepts and rejects"
     for s in judged:  # p/q < 1 for every step: the paper's rule would reject some p >= 0.5 steps by draw
         assert (s.author == "draft") == (s.p >= 0.5)
+        assert s.rejected_by == (None if s.author == "draft" else "target_rule")
     with pytest.raises(ValueError, match="set one of them"):
         DecodeSettings(min_p=0.5, min_ratio=0.2)
     with pytest.raises(ValueError, match="min_p must be"):
@@ -137,6 +141,8 @@ def test_after_max_rejections_the_target_writes_the_rest(pair, budget):
     assert res.rejections == budget
     after = res.steps[judged[-1] + 1 :] if judged else res.steps
     assert all(s.author == "target" and s.proposal is None and s.draft_tokens == 0 for s in after)
+    assert all(s.rejected_by == "budget" for s in after), "the trace says why the target wrote them"
+    assert all(res.steps[i].rejected_by == ("ratio" if res.steps[i].p == 0 else None) for i in judged)
     prompt = target.format_prompt(Q)
     for i in range(len(res.steps) - len(after), len(res.steps)):  # each is the target's own next step
         state = target.prefill(prompt + "".join(x.text for x in res.steps[:i]))
@@ -182,6 +188,7 @@ def test_the_token_check_rejects_steps_the_target_finds_unlikely(pair, gamma):
         least = float(target.score_step(state, step, logprobs=True).logprobs.exp().min())
         assert s.tok == pytest.approx(least, rel=1e-3, abs=1e-6), f"step {i}"
         assert (s.author == "draft") == (s.tok >= floor), f"step {i}"
+        assert s.rejected_by == (None if s.author == "draft" else "token_check"), f"step {i}"
         checked += 1
     authors = {s.author for s in res.steps if s.tok is not None}
     assert checked >= 3 and authors == {"draft", "target"}, "this test needs steps on both sides"
