@@ -2,7 +2,7 @@
 join the running batch between two rounds and leave it when they finish or their client goes away.
 
 Requests are grouped in *lanes*, one per (method, temperature, top_p): rows of a lane share every model
-call (``BatchDecoder.admit`` and ``step``), and the lanes take turns round by round. A row's budget and
+call (``BatchDecoder.admit`` and ``round``), and the lanes take turns round by round. A row's budget and
 seed are its own, so requests with different ``max_tokens`` or seeds share a lane.
 
 Speculation is switched off under load, as vLLM's ``speculative_disable_by_batch_size`` does: a
@@ -287,12 +287,12 @@ class Engine:
                 return  # the rows left waiting for a rewrite are stepped now, not starved while it stays full
         before = {row.index: progress(row) for row in lane.rows}
         try:
-            done = lane.decoder.step(lane.rows)
+            done = lane.decoder.round(lane.rows)
         except (
             Exception
         ) as e:  # find the culprit: each untouched row alone; only a row that fails alone fails
             log.exception("decoding failed for %d rows of %s; retrying them one by one", len(lane.rows), key)
-            done = lane.step_alone(before, e, self._fail)
+            done = lane.round_alone(before, e, self._fail)
         self.rounds += 1
         for row in lane.rows:
             req = lane.requests[row.index]

@@ -23,7 +23,7 @@ class Lane:
     rows: list[Row] = field(default_factory=list)
     requests: dict[int, Request] = field(default_factory=dict)
 
-    def step_alone(self, before: dict[int, tuple], error: Exception, fail: Callable) -> list[Row]:
+    def round_alone(self, before: dict[int, tuple], error: Exception, fail: Callable) -> list[Row]:
         """One round of each row by itself, after the batched round failed; a row that fails alone fails
         its request (``fail``), the others go on. A row the failed round had already moved (a step
         recorded, a cache extended: a round is not all-or-nothing) cannot be retried safely and fails
@@ -35,7 +35,7 @@ class Lane:
                 fail(self.requests.pop(row.index), error)
                 continue
             try:
-                done += self.decoder.step([row])
+                done += self.decoder.round([row])
             except Exception as e:
                 log.exception("request %d failed", row.index)
                 self.drop(row)

@@ -157,7 +157,7 @@ class BatchDecoder:
 
     def release(self, rows: Sequence[Row]) -> None:
         """Forget what this decoder keeps of ``rows``: they leave it (finished, failed, cancelled or
-        handed to another decoder). ``step`` releases the rows it finishes."""
+        handed to another decoder). ``round`` releases the rows it finishes."""
 
     def decode(self, question: Prompt, on_step: StepCallback | None = None) -> DecodeResult:
         """Answer ``question``; ``on_step`` sees each step as it is accepted or written."""
@@ -185,7 +185,7 @@ class BatchDecoder:
                 joining = [queue.popleft() for _ in range(min(batch_size - len(live), len(queue)))]
                 if joining:
                     live += self.admit(joining, on_step)
-                for row in self.step(live):
+                for row in self.round(live):
                     results[row.index] = row.res
                     if on_result is not None:
                         on_result(row.index, row.res)
@@ -198,7 +198,7 @@ class BatchDecoder:
         self, jobs: Sequence[Job], on_step: Callable[[int, StepRecord], None] | None = None
     ) -> list[Row]:
         """New rows for ``jobs``: every model reads their prompts in one padded prefill. The caller keeps
-        the rows and passes them to ``step`` until each is finished (continuous batching: rows may join
+        the rows and passes them to ``round`` until each is finished (continuous batching: rows may join
         between any two steps, and a row dropped from the list simply leaves the batch)."""
         s, t0 = self.settings, time.perf_counter()
         rows = []
@@ -221,7 +221,7 @@ class BatchDecoder:
         share_time(rows, time.perf_counter() - t0)
         return rows
 
-    def step(self, live: list[Row]) -> list[Row]:
+    def round(self, live: list[Row]) -> list[Row]:
         """One round for every row in ``live``; returns the rows it finished, their results complete (the
         caller drops them from its list)."""
         t0 = time.perf_counter()

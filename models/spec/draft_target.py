@@ -50,7 +50,7 @@ class DraftTarget(BatchDecoder):
         """The draft or the target."""
         return self.draft if role == "draft" else self.target
 
-    def _round(self, rows: list[Row]) -> list[Rewrite]:
+    def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """Propose and judge for ``rows``; returns the rejected steps to rewrite."""
         raise NotImplementedError
 
@@ -79,13 +79,13 @@ class DraftTarget(BatchDecoder):
         return moving
 
     def _advance(self, rows: list[Row]) -> None:
-        """One round (``_round``) for the rows owed no rewrite. The target rewrites the rejected rows
+        """One round (``_propose_and_judge``) for the rows owed no rewrite. The target rewrites the rejected rows
         together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could go on
         without them: its decode forward costs about the same for one row as for several, and a row that
         waits goes through the same steps (only later)."""
         s, owed = self.settings, self._owed
         active = [r for r in rows if r not in owed]
-        for it in self._round(active) if active else []:
+        for it in self._propose_and_judge(active) if active else []:
             owed[it.row] = it
         waiting = [r for r in rows if r in owed]
         if not waiting:

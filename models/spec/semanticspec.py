@@ -93,7 +93,7 @@ class SemanticSpecDecoder(DraftTarget):
         floors = {k: v for k, v in floors.items() if v is not None}
         return {"probes": self.probe_ids, "salvage": self.settings.salvages, **floors}
 
-    def _round(self, rows: list[Row]) -> list[Rewrite]:
+    def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """One round (``_verify_round``) for the rows whose answers still have rejections to spend; the
         others (``max_rejections`` spent) are handed to the target, which writes their next step alone."""
         s = self.settings

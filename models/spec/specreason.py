@@ -68,7 +68,7 @@ class SpecReasonDecoder(DraftTarget):
             out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
         return out
 
-    def _round(self, rows: list[Row]) -> list[Rewrite]:
+    def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """One round: the draft writes a step per row, the target rates them (batched); returns the steps
         below the threshold, for the target to rewrite."""
         s = self.settings

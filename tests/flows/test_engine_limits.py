@@ -34,13 +34,13 @@ class _Rewrites:
     def hand_over(self, rows):
         return self.inner.hand_over([r for r in rows if not self.waiting(r)])
 
-    def step(self, rows):
+    def round(self, rows):
         if self.inner.method == "semanticspec":
             for row in rows:
                 if self.waiting(row):
                     self.seen.append(self.engine_ref[0].running)
                     self.held.remove(row)
-        done = self.inner.step(rows)
+        done = self.inner.round(rows)
         if self.inner.method == "semanticspec" and not self.seen:
             assert self.go.wait(10)
             self.held += rows

@@ -181,7 +181,7 @@ def test_with_a_key_only_health_is_open():
 
 
 class _Failing:
-    """A decoder whose ``step`` fails for any batch holding the row of ``bad`` (its request id)."""
+    """A decoder whose ``round`` fails for any batch holding the row of ``bad`` (its request id)."""
 
     def __init__(self, inner, bad: set[int]) -> None:
         self.inner, self.bad = inner, bad
@@ -189,10 +189,13 @@ class _Failing:
     def admit(self, jobs, on_step=None):
         return self.inner.admit(jobs, on_step)
 
-    def step(self, rows):
+    def round(self, rows):
         if any(r.index in self.bad for r in rows):
             raise RuntimeError("a poisoned row")
-        return self.inner.step(rows)
+        return self.inner.round(rows)
+
+    def release(self, rows):
+        self.inner.release(rows)
 
 
 def test_one_bad_row_fails_alone_and_its_lane_goes_on():
@@ -292,14 +295,14 @@ class _HalfDone(_Failing):
     """A decoder whose batched round records a step in its first row, then fails: a round is not
     all-or-nothing."""
 
-    def step(self, rows):
+    def round(self, rows):
         if len(rows) > 1 and not self.bad:  # the first batched round only
             from semspec.models.spec.results import StepRecord
 
             self.bad.add(rows[0].index)
             rows[0].res.steps.append(StepRecord("target", "half", 0, 1))
             raise RuntimeError("failed midway")
-        return self.inner.step(rows)
+        return self.inner.round(rows)
 
 
 def test_a_row_the_failed_round_had_moved_fails_and_untouched_rows_are_retried():

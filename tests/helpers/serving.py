@@ -67,13 +67,13 @@ class TinySpec(SemanticSpec):
         else:
             dec = SingleModelDecoder(self.lms[method], settings, method)
         if self.delay:
-            step = dec.step
+            one_round = dec.round
 
             def slow(live):
                 time.sleep(self.delay)
-                return step(live)
+                return one_round(live)
 
-            dec.step = slow
+            dec.round = slow
         return dec
 
 
