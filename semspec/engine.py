@@ -27,8 +27,8 @@ from semspec.lanes import Lane, progress, step_callback
 from semspec.models.spec.batching import BatchDecoder, Job, Row
 from semspec.models.spec.names import PROBE_METHOD
 from semspec.models.spec.results import DecodeResult, finish_result
-from semspec.request import Overloaded, Request, Stopped, TooLarge
 from semspec.stops import StopStrings
+from semspec.submission import Overloaded, Stopped, Submission, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Engine:
         decoders: builds the decoder of (method, temperature, top_p); called once per lane.
         max_batch: rows decoded at once, over every lane.
         max_queue: requests that may wait for a place (>= 1); one more raises :class:`Overloaded`.
-        max_batch_tokens: the most tokens (prompt and budget of new tokens, :attr:`Request.tokens`) the
+        max_batch_tokens: the most tokens (prompt and budget of new tokens, :attr:`Submission.tokens`) the
             rows in the batch may hold together (None: no limit); a request waits until its tokens fit,
             and one that could never fit raises :class:`TooLarge`. Rows are admitted by tokens, not
             only by count: eight long prompts cost what hundreds of short ones do.
@@ -70,7 +70,7 @@ class Engine:
         max_batch: int = 8,
         max_queue: int = 64,
         spec_max_batch: int | None = None,
-        on_done: Callable[[Request, DecodeResult | None, BaseException | None], None] | None = None,
+        on_done: Callable[[Submission, DecodeResult | None, BaseException | None], None] | None = None,
         admit_wait: float = 0.02,
         max_batch_tokens: int | None = None,
         count_tokens: Callable[[str], int] | None = None,
@@ -86,7 +86,7 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.count_tokens = count_tokens or _whitespace_tokens
         self.error: BaseException | None = None  # what killed the worker thread (None: alive)
-        self._pending: deque[Request] = deque()
+        self._pending: deque[Submission] = deque()
         self._lanes: dict[LaneKey, Lane] = {}
         self._cond = threading.Condition()
         self._ids = count()
@@ -107,7 +107,7 @@ class Engine:
 
     @property
     def tokens_in_batch(self) -> int:
-        """Tokens the requests in the batch may hold (:attr:`Request.tokens`), over every lane."""
+        """Tokens the requests in the batch may hold (:attr:`Submission.tokens`), over every lane."""
         return sum(r.tokens for lane in list(self._lanes.values()) for r in list(lane.requests.values()))
 
     @property
@@ -120,7 +120,7 @@ class Engine:
         """Whether the worker thread serves: started, not stopped, not dead of an error."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def submit(self, request: Request) -> Request:
+    def submit(self, request: Submission) -> Submission:
         """Queue ``request``; its ``future`` resolves to a ``DecodeResult``. Raises :class:`Overloaded`
         when ``max_queue`` requests already wait, :class:`Stopped` after ``stop``."""
         if self.max_batch_tokens is not None and request.tokens > self.max_batch_tokens:
@@ -204,7 +204,7 @@ class Engine:
             for key in [k for k, lane in self._lanes.items() if not lane.rows and not lane.requests]:
                 del self._lanes[key]  # a lane per distinct setting must not pile up
 
-    def _take(self) -> list[Request]:
+    def _take(self) -> list[Submission]:
         """Pending requests that fit in the batch, in order; cancelled ones are dropped."""
         for req in [r for r in self._pending if r.cancelled.is_set()]:  # gone clients free their places
             self._pending.remove(req)
@@ -225,16 +225,16 @@ class Engine:
             taken.append(req)
         return taken
 
-    def _lane(self, req: Request) -> tuple[LaneKey, Lane]:
+    def _lane(self, req: Submission) -> tuple[LaneKey, Lane]:
         key = ("target" if req.solo else req.method, float(req.temperature), float(req.top_p))
         if key not in self._lanes:
             self._lanes[key] = Lane(self.decoders(*key))
         return key, self._lanes[key]
 
-    def _admit(self, requests: list[Request]) -> None:
+    def _admit(self, requests: list[Submission]) -> None:
         """Prefill the new requests, lane by lane (one padded prefill per lane); a request whose prompt
         fails alone is failed alone."""
-        groups: dict[LaneKey, list[Request]] = {}
+        groups: dict[LaneKey, list[Submission]] = {}
         for req in requests:
             try:
                 key, _ = self._lane(req)
@@ -255,7 +255,7 @@ class Engine:
                         self._fail(req, e)
             lane.rows += rows
 
-    def _admit_rows(self, lane: Lane, reqs: list[Request]) -> list[Row]:
+    def _admit_rows(self, lane: Lane, reqs: list[Submission]) -> list[Row]:
         jobs = [Job(r.id, r.prompt, r.max_new_tokens, r.seed) for r in reqs]
         by_id = {r.id: r for r in reqs}
 
@@ -331,7 +331,7 @@ class Engine:
         into.rows += moving
         lane.rows = [r for r in lane.rows if r not in moving]
 
-    def _fail(self, req: Request, error: BaseException) -> None:
+    def _fail(self, req: Submission, error: BaseException) -> None:
         """Fail ``req``: its futures first, then ``on_done``, whose own error is only logged."""
         if not req.admitted.done():
             req.admitted.set_exception(error)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from semspec.models.spec.batching import BatchDecoder, Row
 from semspec.models.spec.results import StepRecord
-from semspec.request import Request
+from semspec.submission import Submission
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class Lane:
 
     decoder: BatchDecoder
     rows: list[Row] = field(default_factory=list)
-    requests: dict[int, Request] = field(default_factory=dict)
+    requests: dict[int, Submission] = field(default_factory=dict)
 
     def round_alone(self, before: dict[int, tuple], error: Exception, fail: Callable) -> list[Row]:
         """One round of each row by itself, after the batched round failed; a row that fails alone fails
@@ -48,7 +48,7 @@ class Lane:
         self.decoder.release([row])
 
 
-def step_callback(by_id: dict[int, Request]) -> Callable[[int, StepRecord], None]:
+def step_callback(by_id: dict[int, Submission]) -> Callable[[int, StepRecord], None]:
     """The decoder's ``on_step`` for rows of ``by_id``: a row's steps go to its request's ``on_step``,
     cut at its stop strings (only text before a match, and none that may begin one)."""
 

@@ -18,7 +18,7 @@ from prometheus_client import (
 
 from semspec.engine import Engine
 from semspec.models.spec.results import DecodeResult
-from semspec.request import Request
+from semspec.submission import Submission
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -54,12 +54,8 @@ class ServeMetrics:
         self.steps = Counter(
             "semspec_draft_steps", "SemanticSpec's draft proposals, by outcome.", ["outcome"], registry=r
         )
-        self.rejected = Counter(
-            "semspec_rejected_steps",
-            "Steps the target wrote, by what rejected the draft's: ratio, floor, target_rule, token_check, budget, empty.",
-            ["reason"],
-            registry=r,
-        )
+        why = "Steps the target wrote, by what rejected the draft's (the trace's rejected_by)."
+        self.rejected = Counter("semspec_rejected_steps", why, ["reason"], registry=r)
         self.spec_off = Counter(
             "semspec_speculation_off_rounds",
             "Rounds in which a SemanticSpec request's step was written by the target alone (the batch was full).",
@@ -104,7 +100,7 @@ class ServeMetrics:
         """A request to ``endpoint`` was refused because the queue was full (429)."""
         self.refusals.labels(endpoint).inc()
 
-    def done(self, req: Request, res: DecodeResult | None, error: BaseException | None) -> None:
+    def done(self, req: Submission, res: DecodeResult | None, error: BaseException | None) -> None:
         """A request finished (``res``) or failed (``error``); called from the engine's thread."""
         method = req.ran_as
         if res is None:

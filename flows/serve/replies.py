@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from semspec.api import Step
 from semspec.flows.openai_schema import StepOut, Trace, Usage
 from semspec.models.spec.results import DecodeResult
-from semspec.request import Request as Job
+from semspec.submission import Submission
 from semspec.thinking import ThinkSplit, split_reasoning
 
 
@@ -49,7 +49,9 @@ class Reply:
     count_tokens: Callable[[str], int] | None = None  # a text's tokens (the reasoning's, in the usage)
 
 
-def _trace(job: Job, res: DecodeResult | None, spec_max_batch: int | None, with_steps: bool = True) -> Trace:
+def _trace(
+    job: Submission, res: DecodeResult | None, spec_max_batch: int | None, with_steps: bool = True
+) -> Trace:
     """The request's SemanticSpec trace: how it ran, its steps (unless streamed), shares and timings."""
     steps = [StepOut(**Step.from_record(s).to_dict()) for s in res.steps] if res and with_steps else []
     decode_s = res.timings.total if res else None
@@ -91,7 +93,7 @@ def _finish(res: DecodeResult) -> str:
     return "stop" if res.finish_reason in ("eos", "stop") else "length"
 
 
-def completion_body(reply: Reply, job: Job, res: DecodeResult) -> dict[str, Any]:
+def completion_body(reply: Reply, job: Submission, res: DecodeResult) -> dict[str, Any]:
     """A whole (non-streamed) completion, with the trace in ``semspec``."""
     common = {
         "id": reply.rid,
@@ -130,7 +132,9 @@ def _chunk(reply: Reply, text: str | None, finish: str | None, extra: dict, fiel
     return f"data: {json.dumps({**body, **extra})}\n\n"
 
 
-async def stream_events(reply: Reply, job: Job, steps: asyncio.Queue, usage: bool) -> AsyncIterator[str]:
+async def stream_events(
+    reply: Reply, job: Submission, steps: asyncio.Queue, usage: bool
+) -> AsyncIterator[str]:
     """The stream: (chat) the role, then one event per step with its ``semspec.step``, the finish with the
     trace, the usage when asked, ``[DONE]``. A failed decode ends with an error event and ``[DONE]``.
     ``steps`` holds the steps as they are decided and ``None`` once the job is done."""

@@ -42,9 +42,8 @@ from semspec.flows.serve.metrics import ServeMetrics
 from semspec.flows.serve.replies import ApiError, Reply, completion_body, stream_events
 from semspec.models.lm import RawPrompt, check_messages
 from semspec.models.spec.results import DecodeResult
-from semspec.request import Overloaded, Stopped, TooLarge
-from semspec.request import Request as Job
 from semspec.stops import check_stops
+from semspec.submission import Overloaded, Stopped, Submission, TooLarge
 from semspec.thinking import END as THINK_END
 
 log = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
         )
     steps: asyncio.Queue = asyncio.Queue()
     defaults = served.spec.defaults
-    job = Job(
+    job = Submission(
         prompt,
         body.method,
         max_tokens,
@@ -181,7 +180,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
     return JSONResponse(completion_body(reply, job, res))
 
 
-async def _watching(http: Request, job: Job, future: Future) -> Any:
+async def _watching(http: Request, job: Submission, future: Future) -> Any:
     """``future``'s result; a client that disconnects meanwhile cancels ``job`` (its row leaves the batch,
     or it leaves the queue) and gets 499."""
     fut = asyncio.wrap_future(future)
@@ -195,7 +194,7 @@ async def _watching(http: Request, job: Job, future: Future) -> Any:
             raise ApiError(499, "client closed the request")
 
 
-async def _wait(http: Request, job: Job) -> DecodeResult:
+async def _wait(http: Request, job: Submission) -> DecodeResult:
     """The job's result; a client that disconnects meanwhile takes its row out of the batch."""
     try:
         return await _watching(http, job, job.future)

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from semspec.engine import Engine
-from semspec.request import Request
+from semspec.submission import Submission
 from tests.helpers.serving import TinySpec, running_server
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -55,11 +55,11 @@ def test_a_row_waiting_for_a_rewrite_is_stepped_while_the_batch_stays_full():
         spec_max_batch=1,
     )
     ref.append(engine)
-    first = engine.submit(Request(CHAT, "semanticspec", 40, 0.0, 1.0))
+    first = engine.submit(Submission(CHAT, "semanticspec", 40, 0.0, 1.0))
     engine.start()
     try:
         first.admitted.result(10)  # its first round runs, and waits for go
-        busy = [engine.submit(Request(CHAT, "target", 40, 0.0, 1.0)) for _ in range(2)]
+        busy = [engine.submit(Submission(CHAT, "target", 40, 0.0, 1.0)) for _ in range(2)]
         go.set()  # the first round ends with its row waiting, and the next admits the two others
         first.future.result(60)
         for r in busy:

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from semspec.engine import Engine
 from semspec.flows.serve.config import ServeConfig, is_loopback, parse_spec_max_batch
-from semspec.request import Overloaded, Request
+from semspec.submission import Overloaded, Submission
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"
@@ -263,11 +263,11 @@ def test_the_engine_refuses_past_its_queue_and_fails_requests_on_stop():
             raise RuntimeError("never admitted")
 
     engine = Engine(lambda *key: Stuck(), max_batch=1, max_queue=1).start()
-    first = engine.submit(Request("a", "semanticspec", 8, 0.0, 1.0))
+    first = engine.submit(Submission("a", "semanticspec", 8, 0.0, 1.0))
     time.sleep(0.1)  # the worker took it and is stuck admitting it
-    engine.submit(Request("b", "semanticspec", 8, 0.0, 1.0))
+    engine.submit(Submission("b", "semanticspec", 8, 0.0, 1.0))
     with pytest.raises(Overloaded):
-        engine.submit(Request("c", "semanticspec", 8, 0.0, 1.0))
+        engine.submit(Submission("c", "semanticspec", 8, 0.0, 1.0))
     gate.set()
     with pytest.raises(RuntimeError, match="never admitted"):
         first.future.result(5)
@@ -279,12 +279,12 @@ def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
     engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4, spec_max_batch=1)
     engine.start()
     try:
-        first = engine.submit(Request(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
+        first = engine.submit(Submission(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
         deadline = time.time() + 10
         while first.spec_rounds == 0 and time.time() < deadline:
             time.sleep(0.01)
         later = [
-            engine.submit(Request(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
+            engine.submit(Submission(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
             for _ in range(2)
         ]
         res = first.future.result(60)

@@ -15,7 +15,7 @@ import pytest
 from semspec.engine import Engine
 from semspec.flows.serve.config import ServeConfig
 from semspec.models.lm.prompts import ControlTokens, neutralize
-from semspec.request import Request, Stopped, TooLarge
+from semspec.submission import Stopped, Submission, TooLarge
 from tests.helpers.serving import TinySpec, running_server
 
 Q = "What is 2 + 3?"
@@ -124,8 +124,8 @@ def test_admission_counts_tokens_not_rows():
     engine.start()
     try:
         with pytest.raises(TooLarge, match="batch budget"):
-            engine.submit(Request(CHAT, "target", 50, 0.0, 1.0, prompt_tokens=20))
-        reqs = [engine.submit(Request(CHAT, "target", 20, 0.0, 1.0, prompt_tokens=20)) for _ in range(3)]
+            engine.submit(Submission(CHAT, "target", 50, 0.0, 1.0, prompt_tokens=20))
+        reqs = [engine.submit(Submission(CHAT, "target", 20, 0.0, 1.0, prompt_tokens=20)) for _ in range(3)]
         watch = threading.Thread(
             target=lambda: [seen.append(engine.running) or time.sleep(0.005) for _ in range(400)]
         )
@@ -201,7 +201,7 @@ class _Failing:
 def test_one_bad_row_fails_alone_and_its_lane_goes_on():
     spec, bad = TinySpec(), set()
     engine = Engine(lambda m, t, p: _Failing(spec.decoder(m, temperature=t, top_p=p), bad), max_batch=6)
-    reqs = [Request(CHAT, "target", 16, 0.0, 1.0) for _ in range(6)]
+    reqs = [Submission(CHAT, "target", 16, 0.0, 1.0) for _ in range(6)]
     for r in reqs:
         engine.submit(r)
     bad.add(reqs[2].id)
@@ -239,7 +239,7 @@ def test_empty_lanes_are_evicted():
     engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4).start()
     try:
         for i in range(12):  # a distinct temperature each: a lane each
-            engine.submit(Request(CHAT, "target", 4, 0.1 + i / 100, 1.0)).future.result(30)
+            engine.submit(Submission(CHAT, "target", 4, 0.1 + i / 100, 1.0)).future.result(30)
         deadline = time.time() + 5
         while engine.lanes and time.time() < deadline:
             time.sleep(0.02)
@@ -261,7 +261,7 @@ def test_a_stopped_engine_refuses():
     engine = Engine(lambda *k: None).start()
     engine.stop()
     with pytest.raises(Stopped):
-        engine.submit(Request(CHAT, "target", 4, 0.0, 1.0))
+        engine.submit(Submission(CHAT, "target", 4, 0.0, 1.0))
 
 
 def test_the_api_key_can_come_from_a_file_and_never_from_both(tmp_path):
@@ -308,7 +308,7 @@ class _HalfDone(_Failing):
 def test_a_row_the_failed_round_had_moved_fails_and_untouched_rows_are_retried():
     spec = TinySpec()
     engine = Engine(lambda m, t, p: _HalfDone(spec.decoder(m, temperature=t, top_p=p), set()), max_batch=3)
-    reqs = [engine.submit(Request(CHAT, "target", 16, 0.0, 1.0)) for _ in range(3)]
+    reqs = [engine.submit(Submission(CHAT, "target", 16, 0.0, 1.0)) for _ in range(3)]
     engine.start()
     try:
         with pytest.raises(RuntimeError, match="midway"):

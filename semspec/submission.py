@@ -1,4 +1,4 @@
-"""What the engine decodes: a :class:`Request` (one prompt, as a client asked for it, and what the engine
+"""What the engine decodes: a :class:`Submission` (one prompt, as a client asked for it, and what the engine
 records of it while it runs) and the ways ``Engine.submit`` refuses one."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class TooLarge(ValueError):
 
 
 @dataclass
-class Request:
+class Submission:
     """One prompt to decode, as a client asked for it."""
 
     prompt: Prompt
