@@ -33,14 +33,30 @@ def _row(qid: str, latency: float, tokens: int, correct: bool, seed: int = 0) ->
 def test_a_problem_row_keeps_the_step_trace_and_the_token_check_where_it_ran():
     res = DecodeResult("semanticspec", "a\n\nb", "b")
     res.add(StepRecord("draft", "a\n\n", 2, 3, p=0.9, q=0.5, u=0.1, tok=0.02))
-    res.add(StepRecord("target", "b", 1, 1, p=0.1, q=0.5, u=0.7, proposal="c"))
+    res.add(StepRecord("target", "b", 1, 1, p=0.1, q=0.5, u=0.7, proposal="c", rejected_by="ratio"))
     prob = Problem("q1", "arith", "math", "What is b?", "b")
     row = json.loads(json.dumps(problem_row(prob, 0, "semanticspec-all", res, "b", True)))
     assert row["steps"] == [
         {"author": "draft", "p": 0.9, "q": 0.5, "u": 0.1, "target_tokens": 3, "tok": 0.02},
-        {"author": "target", "p": 0.1, "q": 0.5, "u": 0.7, "target_tokens": 1},
+        {"author": "target", "p": 0.1, "q": 0.5, "u": 0.7, "target_tokens": 1, "rejected_by": "ratio"},
     ]
     assert row["correct"] is True and row["method"] == "semanticspec-all"
+
+
+def test_the_summary_counts_rejections_by_what_rejected_them():
+    steps = [{"author": "target", "rejected_by": w} for w in ("ratio", "ratio", "floor", "budget")]
+    rows = [
+        {**_row("a", 1.0, 10, True), "steps": steps[:3]},
+        {**_row("b", 1.0, 10, True), "steps": steps[3:]},
+    ]
+    rows.append({**_row("c", 1.0, 10, True), "steps": [{"author": "draft"}]})  # kept: counted nowhere
+    m = summarize_rows(rows)
+    assert {k: v for k, v in m.items() if k.startswith("rejected_")} == {
+        "rejected_budget": 1,
+        "rejected_floor": 1,
+        "rejected_ratio": 2,
+    }
+    assert not any(k.startswith("rejected_") for k in summarize_rows([_row("d", 1.0, 10, True)]))
 
 
 def test_batched_rows_compare_by_their_share_of_the_machine():
