@@ -1,6 +1,6 @@
 """The services' side of the environment: their URLs, the PATH they run with and the ``export`` lines
 ``semspec env`` prints for shell scripts. The variables themselves are defined in
-``semspec.models.project.settings`` (the one place that reads the environment)."""
+``semspec.tasks.environment`` (the services') and ``semspec.models.project.settings`` (the runtime's)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from semspec.models.project.settings import HOST, apply_env, effective_env, project_env, settings
+from semspec.models.project.settings import HOST
+from semspec.tasks.environment import apply_env, effective_env, project_env, services_settings
 
 __all__ = ["HOST", "apply_env", "effective_env", "service_urls", "shell_exports", "with_venv_path"]
 
 
 def service_urls() -> dict[str, str]:
     """Browser URLs of the Prefect and MLflow UIs."""
-    s = settings()
+    s = services_settings()
     return {"prefect": f"http://{HOST}:{s.prefect_port}", "mlflow": f"http://{HOST}:{s.mlflow_port}"}
 
 

@@ -24,7 +24,7 @@ import psutil
 
 from semspec.flows.env import HOST, effective_env, with_venv_path
 from semspec.models.project.pairs import project_root
-from semspec.models.project.settings import settings
+from semspec.tasks.environment import services_settings
 from semspec.tasks.io import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def services(root: Path | None = None) -> list[Service]:
     """The project's services in start order (the deployment server needs the Prefect server)."""
     root = root or project_root()
     bin_dir = Path(sys.executable).parent
-    pp, mp = settings().prefect_port, settings().mlflow_port
+    svc = services_settings()
+    pp, mp = svc.prefect_port, svc.mlflow_port
     api = f"http://{HOST}:{pp}/api"
     return [
         Service(

@@ -287,10 +287,10 @@ def load(
     and a failure is a ``ValueError`` saying what to do."""
     from semspec.models.lm import load_lm
     from semspec.models.project.pairs import load_pair
-    from semspec.models.project.settings import apply_env
     from semspec.models.spec.names import split_probe_key
     from semspec.tasks.config import load_params
     from semspec.tasks.decoders import check_probes, decode_settings
+    from semspec.tasks.environment import apply_env
 
     apply_env()  # the registry and caches under SEMSPEC_HOME, offline Hub settings
     cfg = load_params(params)

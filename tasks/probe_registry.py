@@ -17,16 +17,16 @@ from mlflow.exceptions import MlflowException
 from torch import nn
 
 from semspec.models.project.names import CHAMPION, experiment_name, registered_name
-from semspec.models.project.settings import settings
 from semspec.models.spec.names import ROLES
 from semspec.models.spec.probe import WEIGHTS_FILE, load_probe_folder, sha256_of
+from semspec.tasks.environment import services_settings
 
 log = logging.getLogger(__name__)
 
 
 def artifact_root() -> Path:
     """Where run artifacts go (``SEMSPEC_MLFLOW_ARTIFACTS``, default ``<project>/mlartifacts``)."""
-    return settings().mlflow_artifacts
+    return services_settings().mlflow_artifacts
 
 
 # what a tracking server that went away raises (MLflow wraps HTTP failures in MlflowException)

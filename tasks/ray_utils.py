@@ -11,7 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
-from semspec.models.project.settings import apply_env, settings
+from semspec.models.project.settings import settings
+from semspec.tasks.environment import apply_env
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def init_ray() -> None:
     if imported and os.environ.get("RAY_AUTH_MODE") == "token" and not _token_auth_on():
         log.warning(
             "Ray was imported before the project's environment was applied, so it runs without its token: "
-            "apply it first (semspec.models.project.settings.apply_env), as the CLI and the API do"
+            "apply it first (semspec.tasks.environment.apply_env), as the CLI and the API do"
         )
         os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray's processes must agree with this driver
     ensure_auth_token()

@@ -13,7 +13,7 @@ import pytest
 
 from semspec.flows import services as svcs
 from semspec.flows.services import Service, port_in_use, start, state_dir, stop
-from semspec.models.project.settings import reload_settings
+from semspec.tasks.environment import apply_env, services_settings
 from tests.helpers.project import free_port
 
 
@@ -101,4 +101,6 @@ def test_status_and_ports_come_from_the_environment(tmp_path: Path, monkeypatch)
     ]
     monkeypatch.setenv("SEMSPEC_MLFLOW_PORT", "http")
     with pytest.raises(ValueError, match="SEMSPEC_MLFLOW_PORT"):
-        reload_settings()  # the environment is read once per process; a bad port fails there
+        services_settings()  # the CLI and the API read it first thing (apply_env): a bad port fails there
+    with pytest.raises(ValueError, match="SEMSPEC_MLFLOW_PORT"):
+        apply_env()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from semspec.models.project.settings import Settings, project_env
+from semspec.models.project.settings import Settings
+from semspec.tasks.environment import Services, project_env
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("dvc.yaml", "params.yaml", "conf", "models", "tasks")  # the stages' files and deps
@@ -61,7 +62,9 @@ def project_environ(dest: Path, prefect_port: int, mlflow_port: int) -> dict[str
         SEMSPEC_MLFLOW_PORT=str(mlflow_port),
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
     )
-    env.update(project_env(dest, Settings.from_env(env)))  # the copy's values win over anything inherited
+    env.update(
+        project_env(dest, Settings.from_env(env), Services.from_env(env))
+    )  # the copy's values win over anything inherited
     return env
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 PROBE = r"""
-from semspec.models.project.settings import apply_env
+from semspec.tasks.environment import apply_env
 apply_env()  # as the CLI does at its start, before anything imports Ray
 import json, psutil, ray
 from semspec.tasks.ray_utils import init_ray, shutdown_ray
