@@ -30,7 +30,7 @@ importable from ``semspec.models.lm``.
 
 from semspec.models.lm.adapter import LM
 from semspec.models.lm.cache import crop_to, fits_window
-from semspec.models.lm.loading import load_lm, pick_device
+from semspec.models.lm.loading import install_kernels, load_lm, pick_device
 from semspec.models.lm.prompts import Prompt, RawPrompt, check_messages
 from semspec.models.lm.types import (
     LMState,
@@ -56,6 +56,7 @@ __all__ = [
     "check_messages",
     "crop_to",
     "fits_window",
+    "install_kernels",
     "load_lm",
     "pick_device",
 ]

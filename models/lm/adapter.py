@@ -25,10 +25,7 @@ class LM(TextMixin, ForwardMixin, ScoringMixin, StepDecodingMixin):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec = spec
-        self.device = next(model.parameters()).device
-        if self.device.type == "cpu":  # decoding calls through semspec's kernels
-            attention.use_decode_attention(model)  # one query per row attends (models/cpu/attention.py)
-            decode_layer.install(model)  # int8 Llama/Qwen2 layers, whole (models/cpu/decode_layer.py)
+        self.device = next(model.parameters()).device  # its kernels are the loader's (install_kernels)
         # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
         self.format: Format = fmt or _dense_format(model)
         text_cfg = model.config.get_text_config()

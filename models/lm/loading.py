@@ -16,6 +16,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
+from semspec.models.cpu import attention, decode_layer
 from semspec.models.cpu.formats import Format, quantize_model, resolve_format
 from semspec.models.lm import weight_cache
 from semspec.models.lm.adapter import LM, dtype_name
@@ -29,6 +30,17 @@ from semspec.models.lm.weights import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def install_kernels(model: PreTrainedModel) -> PreTrainedModel:
+    """Route a CPU model's decoding calls through semspec's kernels: one query per row attends in the
+    decode attention kernel (``models/cpu/attention.py``), and Llama/Qwen2 decoder layers decode whole
+    (``models/cpu/decode_layer.py``). ``load_lm`` does it once per model, after quantizing; a model built
+    in memory (tests, benchmarks) calls it before wrapping the model in an ``LM``. Returns ``model``."""
+    if next(model.parameters()).device.type == "cpu":
+        attention.use_decode_attention(model)
+        decode_layer.install(model)
+    return model
 
 
 def pick_device(device: str) -> torch.device:
@@ -157,7 +169,7 @@ def load_lm(spec: ModelSpec) -> LM:
     else:
         log.info("%s: quantized weights memory-mapped from %s", spec.model_id, cached[0])
     tokenizer, model = loaded
-    lm = LM(model, tokenizer, spec, fmt)
+    lm = LM(install_kernels(model), tokenizer, spec, fmt)
     lm.load_seconds = time.perf_counter() - t0
     log.info("%s runs in %s", spec.model_id, fmt.describe())
     return lm

@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from semspec.models.lm import LM
+from semspec.models.lm import LM, install_kernels
 from semspec.models.lm.pair import ModelSpec
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -89,7 +89,7 @@ def tiny_lm(
         **spec,
     )
     s.pooling = pooling
-    return LM(model, tok, s)
+    return LM(install_kernels(model), tok, s)
 
 
 def tiny_gemma_lm(sliding_window: int = 16, seed: int = 2, max_step_tokens: int = 8) -> LM:
@@ -120,4 +120,4 @@ def tiny_gemma_lm(sliding_window: int = 16, seed: int = 2, max_step_tokens: int 
         prompt="plain",
         max_step_tokens=max_step_tokens,
     )
-    return LM(model, tok, spec)
+    return LM(install_kernels(model), tok, spec)

@@ -53,14 +53,14 @@ def _qwen2(vocab: int):
 def _int8_lm(arch: str = "llama", fmt: Format = INT8):
     """A tiny int8 (or ``fmt``) LM, bfloat16 activations, of ``arch``: llama (no biases, 16-dim heads) or
     qwen2."""
-    from semspec.models.lm import LM
+    from semspec.models.lm import LM, install_kernels
     from tests.helpers.tiny import tiny_lm
 
     base = tiny_lm(init=0.2, hidden=64)
     model = base.model if arch == "llama" else _qwen2(len(base.tokenizer))
     model = model.to(torch.bfloat16)
     quantize_model(model, fmt)
-    return LM(model, base.tokenizer, base.spec, fmt)
+    return LM(install_kernels(model), base.tokenizer, base.spec, fmt)
 
 
 @pytest.fixture

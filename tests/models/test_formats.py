@@ -21,7 +21,7 @@ from semspec.models.cpu.formats import (
     quantize_model,
     resolve_format,
 )
-from semspec.models.lm import LM
+from semspec.models.lm import LM, install_kernels
 from semspec.models.lm.pair import ModelSpec
 from semspec.models.project.settings import Settings, reload_settings
 from tests.helpers.tiny import tiny_lm
@@ -271,7 +271,7 @@ def _in_format(base: LM, fmt: Format) -> LM:
         # 7 projections per block, 2 blocks, and the head, whose 100 outputs int4's kernel cannot take
         # (not a multiple of 16): it stays dense there
         assert quantize_model(model, fmt) == 2 * 7 + (fmt.name == "int8")
-    return LM(model, base.tokenizer, base.spec, fmt)
+    return LM(install_kernels(model), base.tokenizer, base.spec, fmt)
 
 
 # Documented tolerance (README, "Formats"): on a tiny random model (hidden 64) float16, bfloat16 and int8

@@ -165,13 +165,13 @@ def test_a_failed_build_is_off_with_a_warning(fresh, monkeypatch, caplog):
 
 def test_an_int4_model_says_which_kernel_decodes(fresh):
     from semspec.models.cpu.formats import quantize_model
-    from semspec.models.lm import LM
+    from semspec.models.lm import LM, install_kernels
     from tests.helpers.tiny import tiny_lm
 
     base = tiny_lm(init=0.2, hidden=64)
     model = base.model.to(torch.bfloat16)
     quantize_model(model, INT4)
-    why = LM(model, base.tokenizer, base.spec, INT4).describe()["why"]
+    why = LM(install_kernels(model), base.tokenizer, base.spec, INT4).describe()["why"]
     best = "AVX512_BF16" if BF16 else "AVX2, int8 activations per 32"
     kernel = f"semspec's int4 kernel ({best}, packed weights)" if RUNS else "_weight_int4pack_mm_for_cpu"
     assert f"int4 calls: {kernel}" in why
