@@ -70,8 +70,10 @@ def feature(layers: np.ndarray, variant: str) -> np.ndarray:
 
 
 def role_data(lm: LM, data_dir: Path, role: str, variants: list[str]) -> tuple[dict[str, ProbeData], float]:
-    """Per pooling, the role's labelled rows with re-pooled features; and the mean cosine between the
-    re-pooled ``predict`` h_mean and the one sampling stored."""
+    """Per pooling, the role's labelled rows with re-pooled features; and the median cosine between the
+    re-pooled ``predict`` h_mean and the one sampling stored (the median: a sampled step whose text
+    tokenizes otherwise when read back, e.g. ``\n`` ``\n`` sampled where the tokenizer has ``\n\n``,
+    pools other positions)."""
     prefixes = {r["prefix_id"]: r for r in pq.read_table(data_dir / "prefixes.parquet").to_pylist()}
     samples = read_shards(data_dir / "samples" / role)
     labels = pq.read_table(data_dir / "labels" / f"{role}.parquet").to_pylist()
@@ -88,7 +90,7 @@ def role_data(lm: LM, data_dir: Path, role: str, variants: list[str]) -> tuple[d
     stored = column_matrix(samples, "h_mean")[rows]  # (N, D) as sampling pooled it
     mine = feature(pooled["predict"], "all")
     cos = float(
-        np.mean(
+        np.median(
             (stored * mine).sum(1) / (np.linalg.norm(stored, axis=1) * np.linalg.norm(mine, axis=1) + 1e-12)
         )
     )
@@ -125,7 +127,7 @@ def study(data: dict[str, ProbeData], role: str, variants: list[str], cfg, split
 def report(role: str, lm: LM, cos: float, n: int, res: dict) -> None:
     """One line per (variant, metric): mean ± sd per pooling, the paired difference and its t-test p."""
     print(
-        f"\n{role} {lm.model_id} ({lm.dtype_name}): {n} labelled steps; re-pooled vs stored h_mean cos {cos:.4f}"
+        f"\n{role} {lm.model_id} ({lm.dtype_name}): {n} labelled steps; re-pooled vs stored h_mean cos (median) {cos:.4f}"
     )
     print(f"  {'variant':8} {'metric':9} {'predict':>16} {'tokens':>16} {'tokens - predict':>18} {'p':>6}")
     for v, by_pool in res.items():

@@ -61,22 +61,16 @@ class _Row:
 
 
 def sample_rows(lm: LM, role: str, prefixes: list[dict[str, Any]], cfg: SampleConfig) -> pa.Table:
-    """Sample ``cfg.n`` steps for each prefix row -> one table (the shard of these prefixes)."""
-    rows = []
-    for row in prefixes:
-        context = lm.format_prompt(row["question"]) + row["context"]
-        samples = lm.generate_step(
-            context,
-            n=cfg.n,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_tokens=cfg.max_step_tokens,
-            seed=sample_seed(cfg.seed, role, row["prefix_id"]),
-        )
-        rows += [
-            _Row(row["prefix_id"], row["question_id"], i, s.text, s.num_tokens, s.finish_reason, s.pooled)
-            for i, s in enumerate(samples)
-        ]
+    """Sample ``cfg.n`` steps for each prefix row, all the prefixes' rows in one batched loop -> one table
+    (the shard of these prefixes)."""
+    contexts = [lm.format_prompt(row["question"]) + row["context"] for row in prefixes]
+    seeds = [sample_seed(cfg.seed, role, row["prefix_id"]) for row in prefixes]
+    per_prefix = lm.generate_steps(contexts, cfg.n, cfg.temperature, cfg.top_p, cfg.max_step_tokens, seeds)
+    rows = [
+        _Row(row["prefix_id"], row["question_id"], i, s.text, s.num_tokens, s.finish_reason, s.pooled)
+        for row, samples in zip(prefixes, per_prefix, strict=True)
+        for i, s in enumerate(samples)
+    ]
     return shard_table(lm, role, role, rows, cfg.store_layers)
 
 

@@ -23,7 +23,6 @@ class StepDecodingMixin:
     spec: ModelSpec
     tokenizer: Any
 
-    @torch.inference_mode()
     def generate_step(
         self,
         context: str | LMState,
@@ -38,26 +37,45 @@ class StepDecodingMixin:
 
         ``temperature == 0`` is greedy. The context's cache is shared (copied, not re-prefilled).
         """
+        return self.generate_steps([context], n, temperature, top_p, max_tokens, [seed])[0]
+
+    @torch.inference_mode()
+    def generate_steps(
+        self,
+        contexts: list[str | LMState],
+        n: int = 1,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        max_tokens: int | None = None,
+        seeds: list[int | None] | None = None,
+    ) -> list[list[StepSample]]:
+        """``generate_step`` for several contexts at once: the ``n`` continuations of every context share
+        one batched decode loop (one pass over the weights per token for all of them, which is what makes
+        sampling many prefixes fast); context i's rows draw from one generator seeded with ``seeds[i]``.
+        Returns, per context, its ``n`` samples."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        seeds = [None] * len(contexts) if seeds is None else seeds
+        if len(seeds) != len(contexts):
+            raise ValueError(f"one seed per context: {len(seeds)} seeds for {len(contexts)} contexts")
         check_sampling(temperature, top_p)
         max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        state = self.prefill(context) if isinstance(context, str) else context
-        gen = generator(seed)
-        starts = [
-            StepStart(
-                state,
-                max_tokens,
-                state=LMState(state.text, state.ids, copy.deepcopy(state.cache), state.logits, state.hidden),
-            )
-            for _ in range(n)
-        ]
-        runs = sample_rows(self, starts, temperature, top_p, [gen] * n)
+        starts, gens = [], []
+        for context, seed in zip(contexts, seeds, strict=True):
+            state = self.prefill(context) if isinstance(context, str) else context
+            gen = generator(seed)
+            for _ in range(n):
+                copied = LMState(
+                    state.text, state.ids, copy.deepcopy(state.cache), state.logits, state.hidden
+                )
+                starts.append(StepStart(state, max_tokens, state=copied))
+                gens.append(gen)
+        runs = sample_rows(self, starts, temperature, top_p, gens)
         samples = [run.samples[0] for run in runs]
         self._close_pooling(samples, [run.cache for run in runs])
-        return samples
+        return [samples[i * n : (i + 1) * n] for i in range(len(contexts))]
 
     def _close_pooling(self, samples: list[StepSample], caches: list[Cache]) -> None:
         """``tokens`` pooling of steps whose last token no loop fed: feed it after each row's cache (which

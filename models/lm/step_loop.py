@@ -17,14 +17,10 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from semspec.models.lm.cache import row_cache, stack_caches, stackable
 from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.sampling import sample_tokens
 from semspec.models.lm.types import NextBudget, Partial, Pooled, StepSample, StepStart, pool_tokens
 
 
@@ -212,10 +208,10 @@ def sample_rows(
             sample_rows(lm, [st], temperature, top_p, [g], min_steps, for_row(more, i))[0]
             for i, (st, g) in enumerate(zip(starts, gens, strict=True))
         ]
-    batch, warpers = _Batch(lm, starts, gens), make_warpers(temperature, top_p)
+    batch = _Batch(lm, starts, gens)
     while True:
         batch.pool()
-        nxt, lp = sample_tokens(batch.logits, warpers, [r.gen for r in batch.rows], temperature)  # (B,), (B,)
+        nxt, lp = sample_tokens(batch.logits, [r.gen for r in batch.rows], temperature, top_p)  # (B,), (B,)
         going, turning, leaving = _classify(lm, batch.rows, nxt, lp, more)
         if not any(batch.rows[b].owes(min_steps) for b in going + list(turning)):
             for b in going:  # nobody owes a step: the loop ends, lookahead steps under way are set aside
@@ -271,16 +267,6 @@ def _exact(lm: LM, sample: StepSample) -> bool:
     return lm.tokenizer.decode(sample.token_ids, skip_special_tokens=True) == sample.text
 
 
-def make_warpers(temperature: float, top_p: float) -> LogitsProcessorList:
-    procs = LogitsProcessorList()
-    if temperature > 0:
-        if temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(temperature))
-        if top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p))
-    return procs
-
-
 def check_sampling(temperature: float, top_p: float) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -293,20 +279,3 @@ def generator(seed: int | None) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     return gen
-
-
-def sample_tokens(
-    logits: torch.Tensor, warpers: LogitsProcessorList, gens: list[torch.Generator], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) -> (token ids (B,), their log-probs (B,)) under the warped distribution; row b
-    draws from ``gens[b]`` (rows may share a generator)."""
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        nxt = logits.argmax(dim=-1)
-    else:
-        scores = warpers(None, logits.clone())
-        logp = torch.log_softmax(scores, dim=-1)
-        probs = logp.exp().cpu()
-        nxt = torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
-        nxt = nxt.to(logits.device)
-    return nxt, logp.gather(1, nxt[:, None])[:, 0].cpu()

@@ -39,6 +39,7 @@ OVERRIDES = [
     "cluster.executor=local",
     "sample.max_step_tokens=10",
     "ingest.max_questions=8",
+    "sample.n=6",  # enough valid steps per question that every split has draft steps to route
 ]
 
 
@@ -748,7 +749,7 @@ def test_champion_status_tracks_config_and_data(stages, trained, monkeypatch):
         profile="tiny", overrides=[*OVERRIDES, "sample.batch_prefixes=7", "ingest.data_dir=/x"]
     )
     assert pipeline_fingerprint(same, pair) == fp  # execution details do not count
-    more = load_params(profile="tiny", overrides=[*OVERRIDES, "sample.n=6"])
+    more = load_params(profile="tiny", overrides=[*OVERRIDES, "sample.n=8"])
     why = champion_status("tiny", ALL_ROLES, ALL_VARIANTS, pipeline_fingerprint(more, pair))
     assert why.startswith("config changed: semspec-tiny-draft-last")
     why = champion_status("tiny", ALL_ROLES, ALL_VARIANTS, {**fp, "source_hash": "md5:0"})
