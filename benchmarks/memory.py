@@ -36,11 +36,11 @@ _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import semspec
-spec = semspec.load(sys.argv[1], probes=sys.argv[2] or None)
+llm = semspec.load(sys.argv[1], probes=sys.argv[2] or None)
 load = time.perf_counter() - t0
-out = spec.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
+out = llm.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
 print(json.dumps({"load_s": load, "tokens": out.output_tokens,
-                  "formats": {r: spec.lms[r].dtype_name for r in ("draft", "target")}}))
+                  "formats": {r: llm.lms[r].dtype_name for r in ("draft", "target")}}))
 """
 
 

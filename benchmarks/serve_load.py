@@ -408,13 +408,13 @@ def format_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------- CLI
 def target_gguf(pair: str) -> Path:
     """The local GGUF file of the pair's target (joined from its parts and checked on first use)."""
-    from semspec.models.lm.weights import resolve_spec
+    from semspec.models.lm.weights import resolve_model
     from semspec.models.project.pairs import load_pair
 
-    spec = load_pair(pair).target
-    if not spec.gguf_file:
+    model_cfg = load_pair(pair).target
+    if not model_cfg.gguf_file:
         raise ValueError(f"pair {pair!r}: the target has no GGUF file")
-    return Path(resolve_spec(spec)) / spec.gguf_file
+    return Path(resolve_model(model_cfg)) / model_cfg.gguf_file
 
 
 def run_levels(

@@ -45,17 +45,15 @@ def record(out: Path, pair: str | None, n: int, max_new_tokens: int) -> None:
     from semspec.tasks.data import generate_arith
 
     questions = [p.question for p in generate_arith(n, split="test")]
-    spec = semspec.load(pair)
+    llm = semspec.load(pair)
     traces: dict[str, list[dict]] = {}
     for name, method, settings in CASES:
-        dec = spec.decoder(method, max_new_tokens=max_new_tokens, seed=7, **settings)
+        dec = llm.decoder(method, max_new_tokens=max_new_tokens, seed=7, **settings)
         results = dec.decode_batch(questions, batch_size=n)
         traces[name] = [_trace(r) for r in results]
         log.info("%s: %s", name, [len(t["steps"]) for t in traces[name]])
     for name, method, settings in TOKEN_LEVEL:
-        gens = [
-            spec.generate(q, method, max_new_tokens=max_new_tokens, seed=7, **settings) for q in questions
-        ]
+        gens = [llm.generate(q, method, max_new_tokens=max_new_tokens, seed=7, **settings) for q in questions]
         traces[name] = [{"text": g.text, "output_tokens": g.output_tokens} for g in gens]
     out.write_text(json.dumps(traces, indent=1))
 

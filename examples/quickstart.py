@@ -29,8 +29,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    spec = semspec.load(args.pair, probes=args.probes)
-    out = spec.generate(args.question, max_new_tokens=args.max_new_tokens)
+    llm = semspec.load(args.pair, probes=args.probes)
+    out = llm.generate(args.question, max_new_tokens=args.max_new_tokens)
     for step in out.steps:
         verdict = {True: "accepted", False: "rewritten", None: "target"}[step.accepted]
         scores = "" if step.p is None else f" p={step.p:.2f} q={step.q:.2f}"
@@ -43,7 +43,7 @@ def main() -> None:
         out.tokens_per_second,
         out.target_share,
     )
-    alone = spec.generate(args.question, method="target", max_new_tokens=args.max_new_tokens)
+    alone = llm.generate(args.question, method="target", max_new_tokens=args.max_new_tokens)
     log.info(
         "target alone: answer %s, %d tokens in %.1f s (%.1f tok/s)",
         alone.answer,

@@ -1,12 +1,12 @@
 """semspec: semantic-aware speculative decoding (SemanticSpec) for reasoning LLMs.
 
 >>> import semspec
->>> spec = semspec.load("qwen-coder")                      # or probes="exported-folder/" or "org/repo"
->>> out = spec.generate("A train travels 120 km in 2 hours. What is its speed?")
+>>> llm = semspec.load("qwen-coder")                      # or probes="exported-folder/" or "org/repo"
+>>> out = llm.generate("A train travels 120 km in 2 hours. What is its speed?")
 >>> out.text, [(s.author, s.accepted, s.p, s.q) for s in out.steps]
->>> for step in spec.stream("..."): ...                     # steps as they are decided
->>> spec.generate([q1, q2, q3])                             # decoded together
->>> spec.generate(q, method="target")                       # a baseline
+>>> for step in llm.stream("..."): ...                     # steps as they are decided
+>>> llm.generate([q1, q2, q3])                             # decoded together
+>>> llm.generate(q, method="target")                       # a baseline
 
 The names below are imported on first use, so ``import semspec`` (and the ``semspec`` command, whose
 modules live in this package) does not pay for torch and transformers until a model is needed.

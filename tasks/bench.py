@@ -320,13 +320,14 @@ def bench(
     if not llamacpp:
         summary = run_bench(*args)
         return summary, format_bench(summary)
+    threads = torch.get_num_threads()
     with (
-        LlamaServer(llamacpp, files["target"], threads=torch.get_num_threads()) as alone,
-        LlamaServer(llamacpp, files["target"], files["draft"], threads=torch.get_num_threads()) as spec,
+        LlamaServer(llamacpp, files["target"], threads=threads) as alone,
+        LlamaServer(llamacpp, files["target"], files["draft"], threads=threads) as drafted,
     ):
         extra = (
             (LLAMACPP, LlamaCppDecoder(LLAMACPP, alone, lms["target"], settings)),
-            (LLAMACPP_SPEC, LlamaCppDecoder(LLAMACPP_SPEC, spec, lms["target"], settings)),
+            (LLAMACPP_SPEC, LlamaCppDecoder(LLAMACPP_SPEC, drafted, lms["target"], settings)),
         )
         summary = run_bench(*args, extra)
     summary["_llamacpp"] = {
@@ -337,7 +338,7 @@ def bench(
     summary["_peak_rss"] = {
         "semspec (every semspec method, one process)": f"{peak_rss_gb():.2f} GB",
         LLAMACPP: f"{alone.peak_rss_gb or float('nan'):.2f} GB",
-        LLAMACPP_SPEC: f"{spec.peak_rss_gb or float('nan'):.2f} GB",
+        LLAMACPP_SPEC: f"{drafted.peak_rss_gb or float('nan'):.2f} GB",
     }
     return summary, format_bench(summary)
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelConfig, PairConfig
 
 CHECK_QUESTION = (
     "A store sells pencils at 3 for $1. Tom buys 12 pencils and 4 erasers that cost $0.50 each. "
@@ -16,13 +16,13 @@ CHECK_QUESTION = (
 CHECK_STEP = "First, 12 pencils at 3 for $1 means 12 / 3 = 4 groups, so the pencils cost $4.\n\n"
 
 
-def model_check(role: str, spec: ModelSpec, tokens: int) -> Iterator[str]:
+def model_check(role: str, model_cfg: ModelConfig, tokens: int) -> Iterator[str]:
     """Load one model, time ``tokens`` greedy decode tokens and a verifier's step prefill on a cached
     context, and report its shapes, format and one generated step."""
     from semspec.models.lm import load_lm
 
-    yield f"[{role}] loading {spec.model_id} ..."
-    lm = load_lm(spec)
+    yield f"[{role}] loading {model_cfg.model_id} ..."
+    lm = load_lm(model_cfg)
     state = lm.prefill(lm.format_prompt(CHECK_QUESTION))
     t0 = time.perf_counter()
     step = lm.generate_step(state, n=1, temperature=0.0, max_tokens=tokens)[0]
@@ -31,7 +31,7 @@ def model_check(role: str, spec: ModelSpec, tokens: int) -> Iterator[str]:
     score = lm.score_step(state, CHECK_STEP, logprobs=False)  # as a verifier prefills a step
     prefill_ms = (time.perf_counter() - t0) / len(score.token_ids) * 1000
     yield (
-        f"[{role}] id={spec.model_id} {lm.dtype_name} on {lm.device} layers={lm.num_layers} "
+        f"[{role}] id={model_cfg.model_id} {lm.dtype_name} on {lm.device} layers={lm.num_layers} "
         f"hidden_size={lm.hidden_size} load={lm.load_seconds:.1f}s decode={decode_ms:.1f} ms/token "
         f"prefill={prefill_ms:.1f} ms/token ({len(score.token_ids)}-token step on a cached context)"
     )

@@ -2,7 +2,7 @@
 
 What a label is, and the judge that computes it, are in ``semspec.tasks.labelling``. This module groups the
 samples by prefix (and both models' samples of a prefix together, when both were sampled), hands batches of
-prefixes to the judge in Ray actors (GPU when the spec says cuda) or in-process, keeps each labelled batch
+prefixes to the judge in Ray actors (GPU when the model config says cuda) or in-process, keeps each labelled batch
 as a part so that a rerun resumes, and joins the parts into one parquet file per role.
 """
 
@@ -198,20 +198,20 @@ def _batches(work: dict[str, list[dict[str, Any]]], size: int) -> Iterator[tuple
             yield role, groups[i : i + size]
 
 
-def _labels_local(cfg, spec, work, total, judge, write: PartWriter) -> None:
-    actor = JudgeActor(spec, judge)
+def _labels_local(cfg, model_cfg, work, total, judge, write: PartWriter) -> None:
+    actor = JudgeActor(model_cfg, judge)
     with tqdm(total=total, desc="cluster", unit="prefix") as bar:
         for role, batch in _batches(work, cfg.batch_prefixes):
             write(role, batch, actor.label(batch, cfg))
             bar.update(len(batch))
 
 
-def _labels_ray(cfg, spec, work, total, judge, write: PartWriter) -> None:
+def _labels_ray(cfg, model_cfg, work, total, judge, write: PartWriter) -> None:
     import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
-    opts = restartable(num_cpus=1, num_gpus=1 if spec.device.startswith("cuda") else 0)
-    actor = ray.remote(JudgeActor).options(**opts).remote(spec)
+    opts = restartable(num_cpus=1, num_gpus=1 if model_cfg.device.startswith("cuda") else 0)
+    actor = ray.remote(JudgeActor).options(**opts).remote(model_cfg)
     futures = {
         actor.label.remote(batch, cfg): (role, batch) for role, batch in _batches(work, cfg.batch_prefixes)
     }

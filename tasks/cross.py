@@ -79,13 +79,13 @@ def run_cross(
                 f"cross[{role}] reads the {other(role)}'s samples, and {source} does not exist: run the "
                 f"sample stage for both roles first (sample.roles: [draft, target])"
             )
-        spec = pair.role(role)
+        model_cfg = pair.role(role)
         folder = out_dir / role
         manifest = {
             "pair": pair.name,
-            "model_id": spec.model_id,
-            "spec": asdict(spec),
-            "format": resolve_format(spec.dtype, spec.device).name,
+            "model_id": model_cfg.model_id,
+            "model": asdict(model_cfg),
+            "format": resolve_format(model_cfg.dtype, model_cfg.device).name,
             "code_md5": source_md5(lm_module, cpu, steps),
             "store_layers": cfg.store_layers,
             "samples_md5": content_md5(source),

@@ -60,7 +60,7 @@ def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = N
     from semspec.tasks.probe_registry import load_probe
 
     fmt = lm.format.name
-    key = (pair, role, variant, lm.model_id, lm.hidden_size, lm.spec.pooling, fmt, version)
+    key = (pair, role, variant, lm.model_id, lm.hidden_size, lm.config.pooling, fmt, version)
     if version is None or key not in _PINNED:
         probe, ref = load_probe(
             pair,
@@ -69,7 +69,7 @@ def probe_fn(pair: str, role: str, variant: str, lm: LM, version: str | None = N
             lm.model_id,
             lm.hidden_size,
             version=version,
-            pooling=lm.spec.pooling,
+            pooling=lm.config.pooling,
             fmt=fmt,
         )
         fn = RegisteredProbe(probe, ref.sha256)
@@ -83,7 +83,14 @@ def card_probe_fn(folder: Path, card: ProbeCard, role: str, variant: str, lm: LM
     """The exported probe of ``role`` in ``folder`` as a function of pooled hidden states, and the sha256
     of its weights (refused unless it fits ``lm``: model id, hidden size, pooling, format)."""
     probe, sha = load_card_probe(
-        folder, card, role, variant, lm.model_id, lm.hidden_size, pooling=lm.spec.pooling, fmt=lm.format.name
+        folder,
+        card,
+        role,
+        variant,
+        lm.model_id,
+        lm.hidden_size,
+        pooling=lm.config.pooling,
+        fmt=lm.format.name,
     )
     fn = RegisteredProbe(probe, sha)
     return fn, fn.sha256

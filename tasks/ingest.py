@@ -98,7 +98,7 @@ def write_trace(lm: LM, question: str, max_tokens: int) -> str:
     text, used = "", 0
     while used < max_tokens:
         step = lm.generate_step(
-            state, n=1, temperature=0.0, max_tokens=min(lm.spec.max_step_tokens, max_tokens - used)
+            state, n=1, temperature=0.0, max_tokens=min(lm.config.max_step_tokens, max_tokens - used)
         )[0]
         used += step.num_tokens
         if step.text:

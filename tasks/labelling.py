@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from semspec.models.lm.pair import JudgeSpec
+from semspec.models.lm.pair import JudgeConfig
 from semspec.models.spec.judges import Judge, load_judge, semantic_entropy
 from semspec.models.spec.names import ROLES
 from semspec.tasks.config import ClusterConfig
@@ -171,10 +171,10 @@ def label_joint(
 class JudgeActor:
     """Holds one judge (a Ray actor, or in-process for the local executor)."""
 
-    def __init__(self, spec: JudgeSpec | None = None, judge: Judge | None = None) -> None:
-        if judge is None and spec is None:
-            raise ValueError("JudgeActor needs a spec or a judge")
-        self.judge = judge or load_judge(spec)
+    def __init__(self, model_cfg: JudgeConfig | None = None, judge: Judge | None = None) -> None:
+        if judge is None and model_cfg is None:
+            raise ValueError("JudgeActor needs a model config or a judge")
+        self.judge = judge or load_judge(model_cfg)
 
     def label(self, groups: list[dict[str, Any]], cfg: ClusterConfig) -> list[dict[str, Any]]:
         """Labels for a batch of prefixes (one role's groups, or joint groups: ``{"roles": {...}}``)."""

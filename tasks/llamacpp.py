@@ -233,19 +233,21 @@ class LlamaCppDecoder:
         return res
 
 
-def gguf_path(spec: Any) -> Path:
-    """The GGUF file a model spec loads (joined and checked as semspec loads it; a Hub model's from the
+def gguf_path(model_cfg: Any) -> Path:
+    """The GGUF file a model config loads (joined and checked as semspec loads it; a Hub model's from the
     local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
     cannot run."""
     from semspec.models.lm.loading import gguf_path as on_disk
-    from semspec.models.lm.weights import resolve_spec
+    from semspec.models.lm.weights import resolve_model
 
-    if not spec.gguf_file:
-        raise ValueError(f"--llamacpp needs GGUF models; {spec.model_id} has no gguf_file in the pair file")
-    path = on_disk(resolve_spec(spec), spec.gguf_file)
+    if not model_cfg.gguf_file:
+        raise ValueError(
+            f"--llamacpp needs GGUF models; {model_cfg.model_id} has no gguf_file in the pair file"
+        )
+    path = on_disk(resolve_model(model_cfg), model_cfg.gguf_file)
     if path is None:
         raise ValueError(
-            f"--llamacpp: {spec.model_id}'s {spec.gguf_file} is not on disk yet; load the pair once "
+            f"--llamacpp: {model_cfg.model_id}'s {model_cfg.gguf_file} is not on disk yet; load the pair once "
             f"(e.g. `semspec decode`) so the Hub cache holds it"
         )
     return path

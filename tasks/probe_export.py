@@ -171,11 +171,15 @@ def _export_one(cfg: PairConfig, role: str, key: str, tmp: Path) -> CardProbe:
     for file in (WEIGHTS_FILE, CONFIG_FILE):
         shutil.copyfile(src / file, dest / file)
     metrics, routing = _run_metrics(mv.run_id, tags)
-    spec = cfg.role(role)
-    pinned = spec.sha256.lower() if spec.sha256 and spec.model_id == tags["model_id"] else None
-    if spec.model_id != tags["model_id"]:
+    model_cfg = cfg.role(role)
+    pinned = model_cfg.sha256.lower() if model_cfg.sha256 and model_cfg.model_id == tags["model_id"] else None
+    if model_cfg.model_id != tags["model_id"]:
         log.warning(
-            "%s was trained on %s, the pair file's %s is %s", where, tags["model_id"], role, spec.model_id
+            "%s was trained on %s, the pair file's %s is %s",
+            where,
+            tags["model_id"],
+            role,
+            model_cfg.model_id,
         )
     hashes = {k: tags[k] for k in DATA_HASH_TAGS if tags.get(k)}
     return CardProbe(

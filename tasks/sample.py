@@ -25,7 +25,7 @@ from semspec.models import cpu
 from semspec.models import lm as lm_module
 from semspec.models.cpu.formats import resolve_format
 from semspec.models.lm import LM, Pooled, load_lm
-from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelConfig, PairConfig
 from semspec.models.spec import steps
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import (
@@ -137,10 +137,10 @@ def _stack(vectors: list[torch.Tensor], width: int) -> np.ndarray:
 class SamplerActor:
     """Holds one model replica (created as a Ray actor, or in-process by the local executor)."""
 
-    def __init__(self, spec: ModelSpec, threads: int | None = None, lm: LM | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, threads: int | None = None, lm: LM | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.lm = lm or load_lm(spec)
+        self.lm = lm or load_lm(model_cfg)
 
     def set_threads(self, threads: int) -> None:
         """Use ``threads`` intra-op threads from the next call on (rebalanced when other actors finish)."""
@@ -185,14 +185,16 @@ def run_sample(
     folders: dict[str, Path] = {}
     work: list[tuple[str, list[dict[str, Any]]]] = []
     for role in cfg.roles:
-        spec = pair.role(role)
+        model_cfg = pair.role(role)
         folder = out_dir / role
         manifest = {
             "pair": pair.name,
-            "model_id": spec.model_id,
-            "format": resolve_format(spec.dtype, spec.device).name,  # shards of another format are redone
+            "model_id": model_cfg.model_id,
+            "format": resolve_format(
+                model_cfg.dtype, model_cfg.device
+            ).name,  # shards of another format are redone
             "code_md5": source_md5(lm_module, cpu, steps),  # and shards of other feature code
-            "spec": asdict(spec),
+            "model": asdict(model_cfg),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),
         }
@@ -267,9 +269,9 @@ def _run_ray(cfg, pair, work, folders, total, lms, job) -> None:
     remote_cls = ray.remote(SamplerActor)
     pools: dict[str, list] = {}
     for role in roles:
-        spec = pair.role(role)
-        opts = restartable(num_cpus=cpus, num_gpus=1 if spec.uses_cuda else 0)
-        pools[role] = [remote_cls.options(**opts).remote(spec, cpus) for _ in range(cfg.actors_per_role)]
+        model_cfg = pair.role(role)
+        opts = restartable(num_cpus=cpus, num_gpus=1 if model_cfg.uses_cuda else 0)
+        pools[role] = [remote_cls.options(**opts).remote(model_cfg, cpus) for _ in range(cfg.actors_per_role)]
     queue = {role: [b for r, b in work if r == role] for role in roles}
     idle = {role: list(pools[role]) for role in roles}
     pending: dict[Any, tuple[str, Any, list]] = {}

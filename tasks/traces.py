@@ -49,9 +49,9 @@ class TraceCache:
     def key(self, model: str, question: str) -> str:
         """The key of ``model``'s trace of ``question``: the model, what shapes its text (its file, prompt,
         system prompt, template, step delimiter and budget, the split) and the token budget."""
-        spec = self.pair.role(model)
-        shaping = [getattr(spec, name, None) for name in TRACE_SHAPING]
-        text = json.dumps([spec.model_id, shaping, self.cfg.trace_max_tokens, question])
+        model_cfg = self.pair.role(model)
+        shaping = [getattr(model_cfg, name, None) for name in TRACE_SHAPING]
+        text = json.dumps([model_cfg.model_id, shaping, self.cfg.trace_max_tokens, question])
         return hashlib.sha1(text.encode()).hexdigest()
 
     def __contains__(self, item: tuple[str, str]) -> bool:
@@ -87,7 +87,7 @@ class TraceCache:
 
 
 TRACE_BATCH = 8  # questions a model writes its chains for at once (greedy, continuous batching)
-# what of a model's spec shapes the chains it writes, besides its id (a trace's key holds them)
+# what of a model's config shapes the chains it writes, besides its id (a trace's key holds them)
 TRACE_SHAPING = (
     "sha256", "gguf_file", "dtype", "prompt", "plain_template", "system_prompt", "delimiter",
     "max_step_tokens", "split",

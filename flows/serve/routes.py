@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class Served:
     """What one app serves, as its handlers read it from ``request.app.state.served``."""
 
-    spec: SemanticSpec  # the loaded pair and probes
+    llm: SemanticSpec  # the loaded pair and probes
     engine: Engine  # decodes the requests together (continuous batching)
     metrics: ServeMetrics
     created: int  # when the app was built (the model card's ``created``)
@@ -68,7 +68,7 @@ class Served:
     @property
     def model_id(self) -> str:
         """The served pair's name: the one model of /v1/models."""
-        return self.spec.pair.name
+        return self.llm.pair.name
 
 
 def bounded_requests(
@@ -97,7 +97,7 @@ def _check(served: Served, body: ChatCompletionRequest | CompletionRequest, aske
             "not_found_error",
             "model",
         )
-    if body.method == "semanticspec" and served.spec.probe is None:
+    if body.method == "semanticspec" and served.llm.probe is None:
         raise ApiError(400, "this server was started without probes: ask for method 'target'", param="method")
     max_tokens = asked or served.default_tokens
     if max_tokens > served.max_tokens_limit:
@@ -125,7 +125,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
     param = "messages" if kind == "chat" else "prompt"
     try:  # rendering and tokenizing a long prompt takes a while: a worker thread does it, not the engine
         prompt_tokens = await loop.run_in_executor(
-            served.prompts, served.spec.prompt_tokens, prompt, max_tokens
+            served.prompts, served.llm.prompt_tokens, prompt, max_tokens
         )
     except ValueError as e:
         raise ApiError(400, str(e), param=param) from None
@@ -136,7 +136,7 @@ async def _decode(served: Served, http: Request, body, prompt, max_tokens: int, 
             param=param,
         )
     steps: asyncio.Queue = asyncio.Queue()
-    defaults = served.spec.defaults
+    defaults = served.llm.defaults
     job = Submission(
         prompt,
         body.method,
@@ -245,8 +245,8 @@ async def health(http: Request) -> JSONResponse:
     body = {
         "status": "ok" if alive else "unavailable",
         "model": served.model_id,
-        "probe": served.spec.probe,
-        "models": {role: lm.describe()["dtype"] for role, lm in served.spec.lms.items()},
+        "probe": served.llm.probe,
+        "models": {role: lm.describe()["dtype"] for role, lm in served.llm.lms.items()},
         "running": served.engine.running,
         "queued": served.engine.queue_depth,
         "spec_max_batch": served.spec_max_batch,

@@ -21,9 +21,9 @@ def run_server(
 
     from semspec.api import load
 
-    spec = load(pair, probes=probes, probe=probe)
+    llm = load(pair, probes=probes, probe=probe)
     uvicorn.run(
-        create_app(spec, cfg),
+        create_app(llm, cfg),
         host=cfg.host,
         port=cfg.port,
         log_level="info",

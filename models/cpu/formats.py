@@ -1,6 +1,6 @@
 """Numeric formats a model runs in, chosen for the CPU at hand, and the weight-only quantized layers.
 
-A model spec's ``dtype`` names a format:
+A model config's ``dtype`` names a format:
 
 * ``float32``, ``float16``, ``bfloat16``: dense weights and activations in that dtype;
 * ``int8``: weight-only int8 linear layers (symmetric, one scale per output channel), bfloat16
@@ -73,7 +73,7 @@ class Format:
     activations: torch.dtype  # hidden states, attention, norms, KV cache (pooled features are float32)
     dense_rows: int | None = None  # quantized: calls with more rows than this run dense (None: none do)
     dense_copy: bool = False  # quantized: keep the bfloat16 weight for them (else dequantize to float32)
-    requested: str = ""  # what the spec said (``auto`` or the name)
+    requested: str = ""  # what the model config said (``auto`` or the name)
     reason: str = ""  # why, for a person reading a figure
 
     @property
@@ -102,7 +102,7 @@ class Format:
 
 
 def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = None) -> Format:
-    """The format ``requested`` (a spec's ``dtype``) means on ``device``, with ``cpu`` (default: this
+    """The format ``requested`` (a model config's ``dtype``) means on ``device``, with ``cpu`` (default: this
     one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU where semspec's int4
     kernel runs (AVX512_BF16, or AVX2 and FMA: its AVX2 build, int8 activations) ``int4``, every call
     through the int4 kernel, except that with AMX calls above 6 rows run in bfloat16 on a dequantized copy

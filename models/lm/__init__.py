@@ -1,4 +1,4 @@
-"""The LM adapter: load a causal LM from a spec, prompt it, sample reasoning steps and pool hidden states.
+"""The LM adapter: load a causal LM from a model config, prompt it, sample reasoning steps and pool hidden states.
 
 One code path serves the Hub, a local folder and the GGUF files shipped in PyPI packages.
 

@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicCache
 from semspec.models.cpu import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import Format, resolve_format
 from semspec.models.lm.forward import ForwardMixin
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.scoring import ScoringMixin
 from semspec.models.lm.step_decoding import StepDecodingMixin
 from semspec.models.lm.text import TextMixin
@@ -21,10 +21,12 @@ from semspec.models.lm.text import TextMixin
 class LM(TextMixin, ForwardMixin, ScoringMixin, StepDecodingMixin):
     """A causal LM plus its tokenizer, with step-level sampling and hidden-state pooling."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, spec: ModelSpec, fmt: Format | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer, model_cfg: ModelConfig, fmt: Format | None = None
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.spec = spec
+        self.config = model_cfg
         self.device = next(model.parameters()).device  # its kernels are the loader's (install_kernels)
         # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
         self.format: Format = fmt or _dense_format(model)
@@ -41,8 +43,8 @@ class LM(TextMixin, ForwardMixin, ScoringMixin, StepDecodingMixin):
 
     @property
     def model_id(self) -> str:
-        """The spec's stable identity."""
-        return self.spec.model_id
+        """The model config's stable identity."""
+        return self.config.model_id
 
     @property
     def dtype_name(self) -> str:

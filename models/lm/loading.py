@@ -1,4 +1,4 @@
-"""Loading an ``LM`` from a spec (Hub id, local folder or packaged GGUF) in the format its ``dtype``
+"""Loading an ``LM`` from a model config (Hub id, local folder or packaged GGUF) in the format its ``dtype``
 resolves to here, and the cache of GGUF files converted to the Hugging Face format."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from semspec.models.cpu import attention, decode_layer
 from semspec.models.cpu.formats import Format, quantize_model, resolve_format
 from semspec.models.lm import weight_cache
 from semspec.models.lm.adapter import LM, dtype_name
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.weights import (
     converted_cache_path,
     converted_enabled,
     converted_key,
-    resolve_spec,
+    resolve_model,
     stale_converted,
 )
 
@@ -50,10 +50,10 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _placement(spec: ModelSpec) -> dict:
-    """``from_pretrained`` keywords that load the weights straight onto the spec's device (no full copy
+def _placement(model_cfg: ModelConfig) -> dict:
+    """``from_pretrained`` keywords that load the weights straight onto the model config's device (no full copy
     in CPU memory first); none for the CPU, the default."""
-    device = pick_device(spec.device)
+    device = pick_device(model_cfg.device)
     return {} if device.type == "cpu" else {"device_map": str(device)}
 
 
@@ -80,20 +80,22 @@ def gguf_path(where: str, gguf_file: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def _converted_folder(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple[Path, dict] | None:
-    """(folder, key) of the converted copy of ``spec``'s GGUF file in ``dtype``, or None without one
+def _converted_folder(model_cfg: ModelConfig, where: str, dtype: torch.dtype) -> tuple[Path, dict] | None:
+    """(folder, key) of the converted copy of ``model_cfg``'s GGUF file in ``dtype``, or None without one
     (cache off, or the file not on disk yet)."""
-    if not (spec.gguf_file and converted_enabled()):
+    if not (model_cfg.gguf_file and converted_enabled()):
         return None
-    path = gguf_path(where, spec.gguf_file)
+    path = gguf_path(where, model_cfg.gguf_file)
     if path is None:
         return None
-    verified = spec.sha256 if spec.source != "hub" else None  # resolve_spec checked it (not a Hub file)
+    verified = (
+        model_cfg.sha256 if model_cfg.source != "hub" else None
+    )  # resolve_model checked it (not a Hub file)
     key = converted_key(path, dtype_name(dtype), verified, f"transformers=={transformers.__version__}")
-    return converted_cache_path(spec.model_id, key), key
+    return converted_cache_path(model_cfg.model_id, key), key
 
 
-def _load_converted(folder: Path, key: dict, spec: ModelSpec, dtype: torch.dtype) -> tuple | None:
+def _load_converted(folder: Path, key: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> tuple | None:
     """(tokenizer, model) from a converted copy made for ``key``; None when there is none. A copy that does
     not load (cut by a full disk, edited) is deleted, so the caller converts the GGUF file again."""
     if not (folder / _SOURCE).is_file():
@@ -101,20 +103,20 @@ def _load_converted(folder: Path, key: dict, spec: ModelSpec, dtype: torch.dtype
     try:
         if json.loads((folder / _SOURCE).read_text()) != key:
             raise ValueError("it was made from another file")
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, trust_remote_code=spec.trust_remote_code, **_placement(spec)
+            folder, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **_placement(model_cfg)
         )
     except (ValueError, RuntimeError, OSError, KeyError, SafetensorError) as e:
         log.warning(
             "%s: converted copy %s unusable (%s): deleting it, converting the GGUF file again",
-            spec.model_id,
+            model_cfg.model_id,
             folder,
             e,
         )
         shutil.rmtree(folder, ignore_errors=True)
         return None
-    log.info("%s: loaded the converted copy of its GGUF file from %s", spec.model_id, folder)
+    log.info("%s: loaded the converted copy of its GGUF file from %s", model_cfg.model_id, folder)
     return tokenizer, model
 
 
@@ -142,8 +144,8 @@ def _save_converted(folder: Path, key: dict, tokenizer, model: PreTrainedModel) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_lm(spec: ModelSpec) -> LM:
-    """Load tokenizer + causal LM described by ``spec`` (Hub id, local folder or packaged GGUF), in the
+def load_lm(model_cfg: ModelConfig) -> LM:
+    """Load tokenizer + causal LM described by ``model_cfg`` (Hub id, local folder or packaged GGUF), in the
     format its ``dtype`` resolves to on this machine (``semspec.models.cpu.formats``).
 
     A GGUF model is converted (dequantized to the format's load dtype) once and kept in the cache in the
@@ -155,54 +157,56 @@ def load_lm(spec: ModelSpec) -> LM:
     tp_log = logging.getLogger(_TP_LOGGER)
     if not any(isinstance(f, _NotShardedNoise) for f in tp_log.filters):
         tp_log.addFilter(_NotShardedNoise())
-    fmt = resolve_format(spec.dtype, spec.device)
-    where = resolve_spec(spec)
-    converted = _converted_folder(spec, where, fmt.load_dtype)
-    cached = _weight_entry(spec, fmt, converted)
-    loaded = weight_cache.load(*cached, fmt, spec.trust_remote_code) if cached else None
+    fmt = resolve_format(model_cfg.dtype, model_cfg.device)
+    where = resolve_model(model_cfg)
+    converted = _converted_folder(model_cfg, where, fmt.load_dtype)
+    cached = _weight_entry(model_cfg, fmt, converted)
+    loaded = weight_cache.load(*cached, fmt, model_cfg.trust_remote_code) if cached else None
     if loaded is None:
-        loaded = _load_and_quantize(spec, where, fmt, converted)
-        cached = cached or _weight_entry(spec, fmt, _converted_folder(spec, where, fmt.load_dtype))
+        loaded = _load_and_quantize(model_cfg, where, fmt, converted)
+        cached = cached or _weight_entry(model_cfg, fmt, _converted_folder(model_cfg, where, fmt.load_dtype))
         if cached:  # kept, then mapped from the file: every process runs the same tensors, shared
             weight_cache.save(*cached, *loaded)
-            loaded = weight_cache.load(*cached, fmt, spec.trust_remote_code) or loaded
+            loaded = weight_cache.load(*cached, fmt, model_cfg.trust_remote_code) or loaded
     else:
-        log.info("%s: quantized weights memory-mapped from %s", spec.model_id, cached[0])
+        log.info("%s: quantized weights memory-mapped from %s", model_cfg.model_id, cached[0])
     tokenizer, model = loaded
-    lm = LM(install_kernels(model), tokenizer, spec, fmt)
+    lm = LM(install_kernels(model), tokenizer, model_cfg, fmt)
     lm.load_seconds = time.perf_counter() - t0
-    log.info("%s runs in %s", spec.model_id, fmt.describe())
+    log.info("%s runs in %s", model_cfg.model_id, fmt.describe())
     return lm
 
 
 def _weight_entry(
-    spec: ModelSpec, fmt: Format, converted: tuple[Path, dict] | None
+    model_cfg: ModelConfig, fmt: Format, converted: tuple[Path, dict] | None
 ) -> tuple[Path, dict] | None:
     """(folder, key) of the weight cache's entry for a quantized GGUF model on the CPU, else None."""
-    if converted is None or not fmt.quantized or pick_device(spec.device).type != "cpu":
+    if converted is None or not fmt.quantized or pick_device(model_cfg.device).type != "cpu":
         return None
     key = weight_cache.cache_key(converted[1], fmt)
-    return weight_cache.entry_path(spec.model_id, key), key
+    return weight_cache.entry_path(model_cfg.model_id, key), key
 
 
 def _load_and_quantize(
-    spec: ModelSpec, where: str, fmt: Format, converted: tuple[Path, dict] | None
+    model_cfg: ModelConfig, where: str, fmt: Format, converted: tuple[Path, dict] | None
 ) -> tuple:
     """(tokenizer, model) from the converted copy or the source, quantized to ``fmt`` where it says so."""
-    loaded = _load_converted(*converted, spec, fmt.load_dtype) if converted else None
+    loaded = _load_converted(*converted, model_cfg, fmt.load_dtype) if converted else None
     if loaded is None:
-        loaded = _load_pretrained(spec, where, fmt.load_dtype)
-        converted = converted or _converted_folder(spec, where, fmt.load_dtype)  # a Hub GGUF is on disk now
+        loaded = _load_pretrained(model_cfg, where, fmt.load_dtype)
+        converted = converted or _converted_folder(
+            model_cfg, where, fmt.load_dtype
+        )  # a Hub GGUF is on disk now
         if converted:
             _save_converted(*converted, *loaded)
     tokenizer, model = loaded
-    model.to(pick_device(spec.device))  # a no-op where from_pretrained placed it already
+    model.to(pick_device(model_cfg.device))  # a no-op where from_pretrained placed it already
     if fmt.quantized:
         tq = time.perf_counter()
         n = quantize_model(model, fmt)
         log.info(
             "%s: %d linear layers quantized to %s in %.1f s",
-            spec.model_id,
+            model_cfg.model_id,
             n,
             fmt.name,
             time.perf_counter() - tq,
@@ -210,26 +214,28 @@ def _load_and_quantize(
     return tokenizer, model
 
 
-def _load_pretrained(spec: ModelSpec, where: str, dtype: torch.dtype) -> tuple:
+def _load_pretrained(model_cfg: ModelConfig, where: str, dtype: torch.dtype) -> tuple:
     """(tokenizer, model) by ``from_pretrained`` from ``where`` (a Hub id or a folder, with the GGUF file)."""
-    kw: dict = {"trust_remote_code": spec.trust_remote_code}
-    if spec.gguf_file:
-        kw["gguf_file"] = spec.gguf_file
-    log.info("loading %s from %s", spec.model_id, where)
+    kw: dict = {"trust_remote_code": model_cfg.trust_remote_code}
+    if model_cfg.gguf_file:
+        kw["gguf_file"] = model_cfg.gguf_file
+    log.info("loading %s from %s", model_cfg.model_id, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
         # GGUF weights are unpacked into dense ``dtype`` tensors: said explicitly, so transformers does not
         # warn that packed weights would run in float32 (they are not kept packed for these architectures,
         # nor without `kernels`); the int formats quantize them again afterwards (``quantize_model``)
-        extra = {"quantization_config": GgufConfig(dequantize=True)} if spec.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw, **extra, **_placement(spec))
+        extra = {"quantization_config": GgufConfig(dequantize=True)} if model_cfg.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, **kw, **extra, **_placement(model_cfg)
+        )
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
-        if not spec.gguf_file:
+        if not model_cfg.gguf_file:
             raise
         # a cut GGUF file surfaces as a reshape or read error deep in the converter: name the file
-        path = Path(where) / spec.gguf_file
+        path = Path(where) / model_cfg.gguf_file
         raise ValueError(
-            f"{spec.model_id}: cannot read the GGUF file {path} ({type(e).__name__}: {e}); it is probably "
+            f"{model_cfg.model_id}: cannot read the GGUF file {path} ({type(e).__name__}: {e}); it is probably "
             f"truncated or corrupt: pin its sha256 in the pair file to have it checked, or reinstall the "
             f"package that provides it"
         ) from e

@@ -1,7 +1,7 @@
 """The model-pair schema: what to load for the draft, the target and the judge.
 
 A pair lives in ``conf/pairs/<name>.yaml`` (found by ``semspec.models.project.pairs``) and is parsed once, at
-the entry point, into these dataclasses. Every field is validated in ``__post_init__`` so a bad spec fails with a message
+the entry point, into these dataclasses. Every field is validated in ``__post_init__`` so a bad model config fails with a message
 naming the field instead of crashing later inside transformers.
 """
 
@@ -38,7 +38,7 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
 
 
 @dataclass
-class ModelSpec:
+class ModelConfig:
     """How to load one causal LM and how to prompt it."""
 
     model_id: str  # stable identity recorded with artifacts and probe tags (e.g. a Hub id)
@@ -58,7 +58,7 @@ class ModelSpec:
     system_prompt: str | None = None  # optional system message for chat templates
     delimiter: str = "\n\n"  # step delimiter
     max_step_tokens: int = 64  # budget for one reasoning step
-    trust_remote_code: bool = False  # never on unless a spec says so explicitly
+    trust_remote_code: bool = False  # never on unless a model config says so explicitly
     where: str = field(default="model", repr=False, compare=False)
     # what a step is (models/spec/steps.py): params.yaml's split_strategy, set by load_pair, never by a pair file
     split: str = field(default="paragraph", init=False)
@@ -125,7 +125,7 @@ class ModelSpec:
 
 
 @dataclass
-class JudgeSpec:
+class JudgeConfig:
     """The semantic-equivalence judge used to cluster sampled steps."""
 
     kind: str = "embedding"  # embedding (sentence embeddings + cosine) | nli (MNLI classifier)
@@ -169,9 +169,9 @@ class PairConfig:
     """A draft/target pair plus the judge that labels their samples."""
 
     name: str
-    draft: ModelSpec
-    target: ModelSpec
-    judge: JudgeSpec = field(default_factory=JudgeSpec)
+    draft: ModelConfig
+    target: ModelConfig
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     description: str = ""
     # predict: the positions whose outputs predict the step's tokens; tokens: the step's own tokens (the
     # paper's wording). Sampling, training and decoding all read it; a probe records it and decoding
@@ -181,16 +181,16 @@ class PairConfig:
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
             raise ValueError(f"pair: field 'pooling' must be one of {POOLINGS}, got {self.pooling!r}")
-        for spec in (self.draft, self.target):
-            spec.pooling = self.pooling
+        for model_cfg in (self.draft, self.target):
+            model_cfg.pooling = self.pooling
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name or ""):
             raise ValueError(
                 f"pair: field 'name' must be letters, digits, '.', '_' or '-' (used in registry names), "
                 f"got {self.name!r}"
             )
 
-    def role(self, role: str) -> ModelSpec:
-        """The spec of ``role`` ('draft' or 'target')."""
+    def role(self, role: str) -> ModelConfig:
+        """The model config of ``role`` ('draft' or 'target')."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.draft if role == "draft" else self.target
@@ -208,9 +208,9 @@ class PairConfig:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
         return cls(
             name=data["name"],
-            draft=from_mapping(ModelSpec, data["draft"], f"{where}.draft"),
-            target=from_mapping(ModelSpec, data["target"], f"{where}.target"),
-            judge=from_mapping(JudgeSpec, data.get("judge") or {}, f"{where}.judge"),
+            draft=from_mapping(ModelConfig, data["draft"], f"{where}.draft"),
+            target=from_mapping(ModelConfig, data["target"], f"{where}.target"),
+            judge=from_mapping(JudgeConfig, data.get("judge") or {}, f"{where}.judge"),
             description=str(data.get("description", "")),
             pooling=data.get("pooling", "predict"),
         )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from semspec.models.lm.cache import crop_to, fits_window
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.types import LMState, Pooled, StepSample, StepScore, StepStart
 
 
@@ -17,7 +17,7 @@ class ScoringMixin:
     """``LM``'s scoring, greedy agreement and resume (built on ``ForwardMixin``'s forwards)."""
 
     # set by ``LM.__init__``
-    spec: ModelSpec
+    model_cfg: ModelConfig
     tokenizer: Any
 
     def score_step(
@@ -91,7 +91,7 @@ class ScoringMixin:
                 else:
                     end_logits = logits[-1] if j == len(run) - 1 else next(mid_logits)
                 text, prev_logits, prev_hidden = text + step, end_logits, seg[-1]
-                pooled = Pooled((seg if self.spec.pooling == "tokens" else pos_hidden).mean(dim=0))
+                pooled = Pooled((seg if self.config.pooling == "tokens" else pos_hidden).mean(dim=0))
                 state = LMState(text, st.ids + ids[:end], cache, end_logits, seg[-1])
                 out.append(StepScore(pooled, new, lp, state, pos_hidden))
                 at = end
@@ -139,7 +139,7 @@ class ScoringMixin:
         if score.pred_hidden is None or not fits_window(st.cache, len(st.ids)):
             return None
         at = score.pred_hidden  # (k, L+1, D): the pooled positions of the scored step, as it pools
-        if self.spec.pooling == "tokens":
+        if self.config.pooling == "tokens":
             at = torch.cat([score.pred_hidden[1:], st.hidden[None]])  # outputs at the step's own tokens
         # 1. the kept tokens may already end the step (a delimiter, EOS, the budget)
         for i in range(1, min(keep, max_tokens) + 1):

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from semspec.models.lm.cache import crop_to
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
 from semspec.models.lm.types import LMState, NextBudget, StepSample, StepStart
 
@@ -20,7 +20,7 @@ class StepDecodingMixin:
     """``LM``'s decode calls: ``generate_step``, ``decode_steps``, ``decode_runs`` and their helpers."""
 
     # set by ``LM.__init__``
-    spec: ModelSpec
+    model_cfg: ModelConfig
     tokenizer: Any
 
     def generate_step(
@@ -59,7 +59,7 @@ class StepDecodingMixin:
         if len(seeds) != len(contexts):
             raise ValueError(f"one seed per context: {len(seeds)} seeds for {len(contexts)} contexts")
         check_sampling(temperature, top_p)
-        max_tokens = self.spec.max_step_tokens if max_tokens is None else max_tokens
+        max_tokens = self.config.max_step_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         starts, gens = [], []

@@ -19,17 +19,17 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from semspec.models.lm.cache import row_cache, stack_caches, stackable
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.sampling import sample_tokens
 from semspec.models.lm.types import NextBudget, Partial, Pooled, StepSample, StepStart, pool_tokens
 
 
 class LM(Protocol):
-    """What the loop reads of the model it runs (``models/lm/adapter.LM`` is one): its sizes, its spec
+    """What the loop reads of the model it runs (``models/lm/adapter.LM`` is one): its sizes, its config
     (the pooling), its tokenizer and stop check, its forward and the cache layout padded batches keep."""
 
     model: PreTrainedModel
-    spec: ModelSpec
+    model_cfg: ModelConfig
     tokenizer: Any
     num_layers: int
     hidden_size: int
@@ -73,7 +73,7 @@ class _LiveRow:
         self.tokens, self.plen, self.budget = list(start.prefix), len(start.prefix), start.max_tokens
         self.hsum = torch.zeros(shape)  # (L+1, D): outputs at the positions predicting the step's tokens
         # ``tokens`` pooling: (L+1, D) the output predicting the step's first token, which it leaves out
-        self.hfirst = torch.zeros(shape) if lm.spec.pooling == "tokens" else None
+        self.hfirst = torch.zeros(shape) if lm.config.pooling == "tokens" else None
         self.lp_sum = torch.zeros(())  # float32: the step's summed log-probabilities
         self.run = LoopRun([])
         if start.partial is not None:  # go on with a step an earlier loop began: its tokens count

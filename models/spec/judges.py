@@ -30,7 +30,7 @@ import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from semspec.models.lm import pick_device
-from semspec.models.lm.pair import JudgeSpec
+from semspec.models.lm.pair import JudgeConfig
 from semspec.models.lm.weights import resolve_path, verify_sha256
 
 
@@ -300,27 +300,27 @@ def calibrate(
     return rows
 
 
-def load_judge(spec: JudgeSpec) -> Judge:
+def load_judge(judge_cfg: JudgeConfig) -> Judge:
     """Build the judge a pair's config names (Hub id, local folder, or a package that ships it)."""
-    where = resolve_path(spec.source, spec.path)
-    if spec.sha256:  # never load weights that are not the pinned ones
-        verify_sha256(Path(where) / spec.weights_file, spec.sha256, spec.model_id)
-    device = pick_device(spec.device)
-    if spec.kind == "embedding":
+    where = resolve_path(judge_cfg.source, judge_cfg.path)
+    if judge_cfg.sha256:  # never load weights that are not the pinned ones
+        verify_sha256(Path(where) / judge_cfg.weights_file, judge_cfg.sha256, judge_cfg.model_id)
+    device = pick_device(judge_cfg.device)
+    if judge_cfg.kind == "embedding":
         from sentence_transformers import SentenceTransformer  # heavy; NLI judges never need it
 
-        st = SentenceTransformer(where, device=str(device), trust_remote_code=spec.trust_remote_code)
+        st = SentenceTransformer(where, device=str(device), trust_remote_code=judge_cfg.trust_remote_code)
 
         def encode(texts: list[str]) -> torch.Tensor:
             return st.encode(
-                texts, batch_size=spec.batch_size, convert_to_tensor=True, show_progress_bar=False
+                texts, batch_size=judge_cfg.batch_size, convert_to_tensor=True, show_progress_bar=False
             ).cpu()
 
         return EmbeddingJudge(
-            encode, spec.threshold, spec.numbers_must_match, st.tokenizer, st.max_seq_length
+            encode, judge_cfg.threshold, judge_cfg.numbers_must_match, st.tokenizer, st.max_seq_length
         )
-    tok = AutoTokenizer.from_pretrained(where, trust_remote_code=spec.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(where, trust_remote_code=judge_cfg.trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        where, trust_remote_code=spec.trust_remote_code
+        where, trust_remote_code=judge_cfg.trust_remote_code
     )
-    return NLIJudge(model.to(device), tok, spec.nli_mode, spec.batch_size)
+    return NLIJudge(model.to(device), tok, judge_cfg.nli_mode, judge_cfg.batch_size)

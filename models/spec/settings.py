@@ -41,7 +41,7 @@ class DecodeSettings:
     field here and a line there."""
 
     max_new_tokens: int = 256  # output budget (target-tokenizer tokens where a target is involved)
-    step_tokens: int | None = None  # per-step budget; None: each model spec's max_step_tokens
+    step_tokens: int | None = None  # per-step budget; None: each model config's max_step_tokens
     # 0: greedy; below MIN_TEMPERATURE too (its limit: dividing logits by less overflows the softmax)
     temperature: float = 0.0
     top_p: float = 1.0

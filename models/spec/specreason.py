@@ -75,7 +75,7 @@ class SpecReasonDecoder(DraftTarget):
         d_restores = {r.index: r.draft.checkpoint(r.step_budget(s, self.draft) + 8) for r in rows}
         proposals = self._propose(rows, 1)
         steps = [proposals[r.index][0][0] for r in rows]
-        t_restores = [r.target.checkpoint(self.target.spec.max_step_tokens * 2 + 64) for r in rows]
+        t_restores = [r.target.checkpoint(self.target.config.max_step_tokens * 2 + 64) for r in rows]
         idx = [b for b, step in enumerate(steps) if step.text]
         rated: dict[int, tuple[int, LMState, int]] = {}
         if idx:

@@ -53,11 +53,11 @@ def run_key(
     for name in (r for r in SEMANTICSPEC_RULES if r != "min_ratio"):
         if settings.get(name) is None:
             settings.pop(name, None)
-    spec = {k: v for k, v in asdict(pair).items() if k != "description"}
+    pair_fields = {k: v for k, v in asdict(pair).items() if k != "description"}
     return config_hash(
         {
             "evaluate": settings,
-            "pair": spec,
+            "pair": pair_fields,
             "label": label,
             "probes": identity,
             **({"formats": formats} if formats else {}),

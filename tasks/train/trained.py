@@ -166,9 +166,9 @@ def _description(pair: PairConfig, role: str, key: str) -> str:
         "mix": "the hidden states of every layer, with learned layer weights",
         "random": "nothing: the paper's Random ablation draws a uniform number",
     }[variant]
-    spec = pair.role(role)
+    model_cfg = pair.role(role)
     return (
-        f"SemanticSpec probe of pair {pair.name}, role {role} ({spec.model_id}). Reads {reads}, pooled over "
+        f"SemanticSpec probe of pair {pair.name}, role {role} ({model_cfg.model_id}). Reads {reads}, pooled over "
         f"a reasoning step ({pair.pooling} pooling), and predicts the step's semantic probability: the share of the {role}'s sampled "
         f"continuations of the same prefix that mean the same thing. Trained on "
         f"{'every domain' if domain is None else f'the {domain} questions only'}. Decoding loads the version "

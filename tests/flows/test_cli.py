@@ -181,7 +181,7 @@ def test_decode_checks_every_argument_before_loading_a_model(args, says, tmp_pat
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/empty.db")
     monkeypatch.setattr(
-        lm, "load_lm", lambda spec: pytest.fail("a model was loaded before the arguments were checked")
+        lm, "load_lm", lambda model_cfg: pytest.fail("a model was loaded before the arguments were checked")
     )
     write_tiny_pair(tmp_path)
     res = runner.invoke(app, ["decode", "--pair", str(tmp_path / "tiny.yaml"), *args])

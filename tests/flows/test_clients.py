@@ -16,9 +16,9 @@ CHAT = [{"role": "user", "content": Q}]
 
 
 @pytest.fixture(scope="module")
-def answer(spec) -> str:
+def answer(llm) -> str:
     """The unstopped answer to ``CHAT`` (greedy, 24 tokens): the stop strings are cut from it."""
-    return spec.generate(CHAT, max_new_tokens=24, temperature=0.0).text
+    return llm.generate(CHAT, max_new_tokens=24, temperature=0.0).text
 
 
 def _stop_of(answer: str) -> str:
@@ -80,12 +80,12 @@ def test_the_openai_client_stops_at_a_stop_string(server, answer, stream):
     assert text == expected and finish == ["stop"]
 
 
-def test_the_completions_endpoint_stops_too_for_a_baseline(server, spec):
+def test_the_completions_endpoint_stops_too_for_a_baseline(server, llm):
     base, _ = server
     from semspec.models.lm import RawPrompt
 
     prompt = "Question: 2+3?\nAnswer:"
-    whole = spec.generate(RawPrompt(prompt), method="target", max_new_tokens=20).text
+    whole = llm.generate(RawPrompt(prompt), method="target", max_new_tokens=20).text
     stop = _stop_of(whole)
     out = _client(base).completions.create(
         model="tiny", prompt=prompt, max_tokens=20, stop=stop, extra_body={"method": "target"}
@@ -93,7 +93,7 @@ def test_the_completions_endpoint_stops_too_for_a_baseline(server, spec):
     assert out.choices[0].text == whole[: whole.index(stop)] and out.choices[0].finish_reason == "stop"
 
 
-def test_developer_role_text_parts_and_neutral_values_are_accepted(server, spec):
+def test_developer_role_text_parts_and_neutral_values_are_accepted(server, llm):
     base, _ = server
     messages = [
         {"role": "developer", "content": "Be brief."},
@@ -114,7 +114,7 @@ def test_developer_role_text_parts_and_neutral_values_are_accepted(server, spec)
         n=1,
         extra_body={"tool_choice": "none", "parallel_tool_calls": False},
     )
-    alone = spec.generate(
+    alone = llm.generate(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is\n2 + 3?"}],
         max_new_tokens=12,
         temperature=0.0,

@@ -48,9 +48,9 @@ class _Rewrites:
 
 
 def test_a_row_waiting_for_a_rewrite_is_stepped_while_the_batch_stays_full():
-    spec, ref, seen, go = TinySpec(delay=0.05), [], [], threading.Event()
+    llm, ref, seen, go = TinySpec(delay=0.05), [], [], threading.Event()
     engine = Engine(
-        lambda m, t, p: _Rewrites(spec.decoder(m, temperature=t, top_p=p), ref, seen, go),
+        lambda m, t, p: _Rewrites(llm.decoder(m, temperature=t, top_p=p), ref, seen, go),
         max_batch=4,
         spec_max_batch=1,
     )

@@ -65,8 +65,8 @@ def test_lm_eval_through_the_server_scores_what_the_api_decodes(tmp_path, monkey
         "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n" for p in problems)
     )
     _task(tmp_path, data)
-    spec = TinySpec()
-    with running_server(spec, max_tokens_limit=64, spec_max_batch=None) as (base, _):
+    llm = TinySpec()
+    with running_server(llm, max_tokens_limit=64, spec_max_batch=None) as (base, _):
         out = lm_eval.simple_evaluate(
             model="local-chat-completions",
             model_args=f"model=tiny,base_url={base}/v1/chat/completions,num_concurrent=1,max_retries=1,"
@@ -80,7 +80,7 @@ def test_lm_eval_through_the_server_scores_what_the_api_decodes(tmp_path, monkey
     expected, correct = {}, []
     for p in problems:  # the API's decode of each problem, cut at the stop string as the server cuts it
         chat = [{"role": "user", "content": p.question}]
-        res = spec.generate(chat, max_new_tokens=BUDGET, temperature=0.0, seed=LM_EVAL_SEED)
+        res = llm.generate(chat, max_new_tokens=BUDGET, temperature=0.0, seed=LM_EVAL_SEED)
         stops = StopStrings([STOP])
         for step in res.steps:
             stops.feed(step.text)

@@ -27,12 +27,12 @@ def _client(base: str) -> OpenAI:
     return OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def test_the_openai_client_gets_the_answer_the_api_decodes(server, spec):
+def test_the_openai_client_gets_the_answer_the_api_decodes(server, llm):
     base, _ = server
     out = _client(base).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": Q}], max_tokens=20, temperature=0
     )
-    alone = spec.generate(CHAT, max_new_tokens=20)
+    alone = llm.generate(CHAT, max_new_tokens=20)
     assert out.choices[0].message.content == alone.text
     assert out.choices[0].finish_reason == ("stop" if alone.finish_reason == "eos" else "length")
     assert out.usage.completion_tokens == alone.output_tokens
@@ -49,7 +49,7 @@ def test_the_openai_client_gets_the_answer_the_api_decodes(server, spec):
     assert 'semspec_rejected_steps_total{reason="ratio"}' in httpx.get(f"{base}/metrics").text
 
 
-def test_streaming_gives_the_same_text_step_by_step(server, spec):
+def test_streaming_gives_the_same_text_step_by_step(server, llm):
     base, _ = server
     chunks = list(
         _client(base).chat.completions.create(
@@ -61,7 +61,7 @@ def test_streaming_gives_the_same_text_step_by_step(server, spec):
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    alone = spec.generate(CHAT, max_new_tokens=20)
+    alone = llm.generate(CHAT, max_new_tokens=20)
     assert text == alone.text
     steps = [c.model_extra["semspec"]["step"] for c in chunks if c.model_extra.get("semspec", {}).get("step")]
     assert [s["text"] for s in steps] == [s.text for s in alone.steps]
@@ -69,14 +69,14 @@ def test_streaming_gives_the_same_text_step_by_step(server, spec):
     assert len(finals) == 1 and chunks[-1].usage.completion_tokens == alone.output_tokens
 
 
-def test_completions_read_the_prompt_raw_and_method_runs_a_baseline(server, spec):
+def test_completions_read_the_prompt_raw_and_method_runs_a_baseline(server, llm):
     base, _ = server
     out = _client(base).completions.create(
         model="tiny", prompt="Question: 2+3?\nAnswer:", max_tokens=12, extra_body={"method": "target"}
     )
     from semspec.models.lm import RawPrompt
 
-    alone = spec.generate(RawPrompt("Question: 2+3?\nAnswer:"), method="target", max_new_tokens=12)
+    alone = llm.generate(RawPrompt("Question: 2+3?\nAnswer:"), method="target", max_new_tokens=12)
     assert out.choices[0].text == alone.text
     assert out.model_extra["semspec"]["ran_as"] == "target"
     assert all(s["author"] == "target" for s in out.model_extra["semspec"]["steps"])
@@ -192,8 +192,8 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_batch():
 
 
 def test_concurrent_requests_share_rounds_and_speculation_stops_above_the_threshold():
-    spec = TinySpec(delay=0.05)
-    with running_server(spec, spec_max_batch=2, max_batch=8) as (base, app):
+    llm = TinySpec(delay=0.05)
+    with running_server(llm, spec_max_batch=2, max_batch=8) as (base, app):
         seen = []
         engine = app.state.engine
         watch = threading.Thread(
@@ -216,7 +216,7 @@ def test_concurrent_requests_share_rounds_and_speculation_stops_above_the_thresh
     for t in off:  # the target wrote a step alone, with nothing proposed, in the rounds speculation was off
         assert any(s["author"] == "target" and s["accepted"] is None for s in t["steps"])
     assert all(t["rounds_without_speculation"] == 0 for t in traces if t["speculation"])
-    alone = spec.generate(CHAT, method="target", max_new_tokens=24)
+    alone = llm.generate(CHAT, method="target", max_new_tokens=24)
     solo = [r.json() for r, t in zip(outs, traces, strict=True) if t["ran_as"] == "target"]
     assert solo and all(r["choices"][0]["message"]["content"] == alone.text for r in solo)
 
@@ -275,8 +275,8 @@ def test_the_engine_refuses_past_its_queue_and_fails_requests_on_stop():
 
 
 def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
-    spec = TinySpec(delay=0.05)
-    engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4, spec_max_batch=1)
+    llm = TinySpec(delay=0.05)
+    engine = Engine(lambda m, t, p: llm.decoder(m, temperature=t, top_p=p), max_batch=4, spec_max_batch=1)
     engine.start()
     try:
         first = engine.submit(Submission(CHAT, "semanticspec", max_new_tokens=40, temperature=0.0, top_p=1.0))
@@ -295,17 +295,17 @@ def test_a_full_batch_moves_semanticspec_rows_into_the_target_lane():
     assert not first.speculation
     moved = [i for i, s in enumerate(res.steps) if s.author == "target" and s.proposal is None]
     assert moved and res.steps[-1].proposal is None  # the target wrote the rest alone
-    alone = spec.generate(CHAT, method="target", max_new_tokens=40)
+    alone = llm.generate(CHAT, method="target", max_new_tokens=40)
     for req, out in zip(later, others, strict=True):  # joined a full batch: the target alone from the start
         assert req.ran_as == "target" and req.spec_rounds == 0 and out.text == alone.text
 
 
-def test_a_tiny_temperature_decodes_greedily_instead_of_overflowing(server, spec):
+def test_a_tiny_temperature_decodes_greedily_instead_of_overflowing(server, llm):
     base, _ = server
     body = {"messages": CHAT, "max_tokens": 12, "temperature": 1e-300}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == spec.generate(CHAT, max_new_tokens=12).text
+    assert r.json()["choices"][0]["message"]["content"] == llm.generate(CHAT, max_new_tokens=12).text
 
 
 def test_an_undeclared_method_is_405_with_allow():

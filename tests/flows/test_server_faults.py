@@ -119,8 +119,8 @@ def test_too_many_messages_or_characters_or_tokens_are_400_and_cost_the_engine_n
 
 def test_admission_counts_tokens_not_rows():
     """A batch budget of 60 tokens: two requests of 40 cannot run together, though max_batch is 8."""
-    spec, seen = TinySpec(delay=0.05), []
-    engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=8, max_batch_tokens=60)
+    llm, seen = TinySpec(delay=0.05), []
+    engine = Engine(lambda m, t, p: llm.decoder(m, temperature=t, top_p=p), max_batch=8, max_batch_tokens=60)
     engine.start()
     try:
         with pytest.raises(TooLarge, match="batch budget"):
@@ -199,8 +199,8 @@ class _Failing:
 
 
 def test_one_bad_row_fails_alone_and_its_lane_goes_on():
-    spec, bad = TinySpec(), set()
-    engine = Engine(lambda m, t, p: _Failing(spec.decoder(m, temperature=t, top_p=p), bad), max_batch=6)
+    llm, bad = TinySpec(), set()
+    engine = Engine(lambda m, t, p: _Failing(llm.decoder(m, temperature=t, top_p=p), bad), max_batch=6)
     reqs = [Submission(CHAT, "target", 16, 0.0, 1.0) for _ in range(6)]
     for r in reqs:
         engine.submit(r)
@@ -209,7 +209,7 @@ def test_one_bad_row_fails_alone_and_its_lane_goes_on():
     try:
         with pytest.raises(RuntimeError, match="poisoned"):
             reqs[2].future.result(30)
-        alone = spec.generate(CHAT, method="target", max_new_tokens=16).text
+        alone = llm.generate(CHAT, method="target", max_new_tokens=16).text
         assert [r.future.result(30).text for i, r in enumerate(reqs) if i != 2] == [alone] * 5
     finally:
         engine.stop()
@@ -235,8 +235,8 @@ def test_a_dead_worker_fails_its_requests_and_refuses_new_ones_and_health_says_5
 
 
 def test_empty_lanes_are_evicted():
-    spec = TinySpec()
-    engine = Engine(lambda m, t, p: spec.decoder(m, temperature=t, top_p=p), max_batch=4).start()
+    llm = TinySpec()
+    engine = Engine(lambda m, t, p: llm.decoder(m, temperature=t, top_p=p), max_batch=4).start()
     try:
         for i in range(12):  # a distinct temperature each: a lane each
             engine.submit(Submission(CHAT, "target", 4, 0.1 + i / 100, 1.0)).future.result(30)
@@ -306,14 +306,14 @@ class _HalfDone(_Failing):
 
 
 def test_a_row_the_failed_round_had_moved_fails_and_untouched_rows_are_retried():
-    spec = TinySpec()
-    engine = Engine(lambda m, t, p: _HalfDone(spec.decoder(m, temperature=t, top_p=p), set()), max_batch=3)
+    llm = TinySpec()
+    engine = Engine(lambda m, t, p: _HalfDone(llm.decoder(m, temperature=t, top_p=p), set()), max_batch=3)
     reqs = [engine.submit(Submission(CHAT, "target", 16, 0.0, 1.0)) for _ in range(3)]
     engine.start()
     try:
         with pytest.raises(RuntimeError, match="midway"):
             reqs[0].future.result(30)
-        alone = spec.generate(CHAT, method="target", max_new_tokens=16).text
+        alone = llm.generate(CHAT, method="target", max_new_tokens=16).text
         assert [r.future.result(30).text for r in reqs[1:]] == [alone, alone]
     finally:
         engine.stop()

@@ -52,7 +52,7 @@ def captured(monkeypatch):
 
     monkeypatch.setattr(config, "load_params", lambda *a, **k: params)
     monkeypatch.setattr(project, "load_pair", lambda *a, **k: SimpleNamespace(role=lambda role: None))
-    monkeypatch.setattr(lm_module, "load_lm", lambda spec: None)
+    monkeypatch.setattr(lm_module, "load_lm", lambda model_cfg: None)
     monkeypatch.setattr(decoders, "build_decoder", record)
     monkeypatch.setattr(eval_workers, "build_decoder", record)
     monkeypatch.setattr(bench, "run_bench", record_bench)

@@ -50,18 +50,18 @@ def test_no_stop_string_acts_inside_the_reasoning():
 
 @pytest.fixture(scope="module")
 def thinking_server():
-    spec = TinySpec()
-    for lm in spec.lms.values():
+    llm = TinySpec()
+    for lm in llm.lms.values():
         lm.tokenizer.chat_template = THINKING
-    with running_server(spec, max_tokens_limit=64, spec_max_batch=None) as (base, app):
-        yield spec, base, app
+    with running_server(llm, max_tokens_limit=64, spec_max_batch=None) as (base, app):
+        yield llm, base, app
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_the_server_returns_the_reasoning_apart(thinking_server, stream):
-    spec, base, app = thinking_server
+    llm, base, app = thinking_server
     assert app.state.served.thinks
-    answer = spec.generate(CHAT, max_new_tokens=24, temperature=0.0).text
+    answer = llm.generate(CHAT, max_new_tokens=24, temperature=0.0).text
     reasoning, content = split_reasoning(answer)
     stop = answer[len(answer) // 2 : len(answer) // 2 + 2]  # in the reasoning (the tiny model never ends it)
     client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)

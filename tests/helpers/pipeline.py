@@ -1,4 +1,4 @@
-"""A tiny model pair saved to a folder, so stages (and Ray actors) can load it by spec."""
+"""A tiny model pair saved to a folder, so stages (and Ray actors) can load it by its config."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ def write_tiny_pair(
         d = folder / role
         tiny_llama(len(tok), seed=seed, hidden=hidden, layers=layers).save_pretrained(d)
         tok.save_pretrained(d)
-    spec = {"source": "local", "prompt": "plain", "max_step_tokens": max_step_tokens, "dtype": dtype}
+    model_cfg = {"source": "local", "prompt": "plain", "max_step_tokens": max_step_tokens, "dtype": dtype}
     pair = {
         "name": name,
-        "draft": {"model_id": f"{name}-draft", "path": str(folder / "draft"), **spec},
-        "target": {"model_id": f"{name}-target", "path": str(folder / "target"), **spec},
+        "draft": {"model_id": f"{name}-draft", "path": str(folder / "draft"), **model_cfg},
+        "target": {"model_id": f"{name}-target", "path": str(folder / "target"), **model_cfg},
     }
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(pair))

@@ -78,11 +78,11 @@ class TinySpec(SemanticSpec):
 
 
 @contextlib.contextmanager
-def running_server(spec: SemanticSpec, **cfg) -> Iterator[tuple[str, object]]:
-    """Serve ``spec`` on a free loopback port in a thread; yields (base URL, app); stops it after."""
+def running_server(llm: SemanticSpec, **cfg) -> Iterator[tuple[str, object]]:
+    """Serve ``llm`` on a free loopback port in a thread; yields (base URL, app); stops it after."""
     port = free_port()
     config = ServeConfig(port=port, **cfg)
-    app = create_app(spec, config)
+    app = create_app(llm, config)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config.uvicorn_options())
     )

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from semspec.models.lm import LM, install_kernels
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -69,7 +69,7 @@ def tiny_lm(
     init: float = 0.02,
     eos_bias: float = 0.0,
     pooling: str = "predict",
-    **spec,
+    **model_cfg,
 ) -> LM:
     """An LM adapter over a tiny random Llama and a character tokenizer; ``boost`` and ``eos_bias`` make
     the delimiter and EOS likelier; ``pooling`` is the pair's (see models/lm/__init__.py)."""
@@ -80,13 +80,13 @@ def tiny_lm(
         boost_tokens(model, ids, boost)
         with torch.no_grad():
             model.lm_head.bias[tok.eos_token_id] = eos_bias
-    spec = {"prompt": "plain", **spec}
-    s = ModelSpec(
+    model_cfg = {"prompt": "plain", **model_cfg}
+    s = ModelConfig(
         model_id=f"tiny-llama-{seed}",
         source="local",
         path="/nonexistent",
         max_step_tokens=max_step_tokens,
-        **spec,
+        **model_cfg,
     )
     s.pooling = pooling
     return LM(install_kernels(model), tok, s)
@@ -113,11 +113,11 @@ def tiny_gemma_lm(sliding_window: int = 16, seed: int = 2, max_step_tokens: int 
         pad_token_id=0,
     )
     model = Gemma3ForCausalLM(cfg).eval()
-    spec = ModelSpec(
+    model_cfg = ModelConfig(
         model_id=f"tiny-gemma-{seed}",
         source="local",
         path="/nonexistent",
         prompt="plain",
         max_step_tokens=max_step_tokens,
     )
-    return LM(install_kernels(model), tok, spec)
+    return LM(install_kernels(model), tok, model_cfg)

@@ -71,17 +71,17 @@ def test_the_converted_copy_is_the_gguf_model_bit_for_bit(embedded_pair, tmp_pat
     from semspec.models.lm import load_lm
 
     monkeypatch.setenv("SEMSPEC_CACHE_DIR", str(tmp_path))
-    spec = embedded_pair.draft
+    model_cfg = embedded_pair.draft
     with caplog.at_level(logging.INFO, logger="semspec.models.lm"):
-        converted = load_lm(spec)
+        converted = load_lm(model_cfg)
         assert "kept the converted GGUF model" in caplog.text and "loaded the converted" not in caplog.text
         quantized = converted.format.quantized
         assert ("kept the quantized weights" in caplog.text) is quantized
         shutil.rmtree(tmp_path / "quantized", ignore_errors=True)  # so the next load reads the copy
-        copy = load_lm(spec)
+        copy = load_lm(model_cfg)
         assert "loaded the converted copy" in caplog.text
         caplog.clear()
-        mapped = load_lm(spec)
+        mapped = load_lm(model_cfg)
     assert ("quantized weights memory-mapped" in caplog.text) is quantized
     assert "loaded the converted copy" not in caplog.text or not quantized, "no bfloat16 copy on the way"
     for other in (copy, mapped):

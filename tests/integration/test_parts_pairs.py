@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from semspec.models.lm.weights import parts_missing, resolve_spec
+from semspec.models.lm.weights import parts_missing, resolve_model
 from semspec.models.project.pairs import load_pair
 
 pytestmark = pytest.mark.embedded
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.embedded
 
 @pytest.mark.parametrize("role, name", [("draft", "Qwen2.5 Coder 0.5B"), ("target", "Qwen2.5 Coder 1.5B")])
 def test_qwen_parts_join_to_the_pinned_file(role, name):
-    spec = load_pair("qwen-coder").role(role)
-    assert parts_missing(spec.packages) == [], "scripts/setup installs every part package"
-    path = Path(resolve_spec(spec)) / spec.gguf_file  # joins (or reuses) and checks the sha256
+    model_cfg = load_pair("qwen-coder").role(role)
+    assert parts_missing(model_cfg.packages) == [], "scripts/setup installs every part package"
+    path = Path(resolve_model(model_cfg)) / model_cfg.gguf_file  # joins (or reuses) and checks the sha256
     from gguf import GGUFReader
 
     meta = GGUFReader(path).fields["general.name"]
@@ -26,9 +26,12 @@ def test_qwen_parts_join_to_the_pinned_file(role, name):
 
 def test_smollm_qwen_shares_the_target_file():
     a, b = load_pair("smollm-qwen").target, load_pair("qwen-coder").target
-    assert resolve_spec(a) == resolve_spec(b)
+    assert resolve_model(a) == resolve_model(b)
 
 
 def test_embedded_target_file_matches_its_pin():
-    spec = load_pair("embedded").target
-    assert spec.sha256 and (Path(resolve_spec(spec)) / spec.gguf_file).stat().st_size == 253_113_024
+    model_cfg = load_pair("embedded").target
+    assert (
+        model_cfg.sha256
+        and (Path(resolve_model(model_cfg)) / model_cfg.gguf_file).stat().st_size == 253_113_024
+    )

@@ -278,9 +278,9 @@ def test_second_run_skips_every_stage(project):
 
 
 def test_retrain_trains_a_new_pair_and_only_it(project):
-    spec = yaml.safe_load((project.root / "conf/pairs/embedded.yaml").read_text())
+    pair_data = yaml.safe_load((project.root / "conf/pairs/embedded.yaml").read_text())
     (project.root / "conf/pairs/embedded-copy.yaml").write_text(
-        yaml.safe_dump({**spec, "name": "embedded-copy"})
+        yaml.safe_dump({**pair_data, "name": "embedded-copy"})
     )
     before = project.run("semspec", "pairs", "status").stdout
     assert "embedded: up to date" in before and "embedded-copy: no champion probe" in before

@@ -53,14 +53,14 @@ def test_the_api_works_from_outside_the_checkout_with_exported_probes_and_no_mlf
             semspec.load("embedded", probes={str(probes_dir)!r}, probe="mix")
         except ValueError as e:
             refused = str(e)
-        spec = semspec.load("embedded", probes={str(probes_dir)!r})
-        out = spec.generate({Q!r}, max_new_tokens=32)
-        streamed = list(spec.stream({Q!r}, max_new_tokens=32))
-        many = spec.generate([{Q!r}, "What is 6 times 7?"], max_new_tokens=16)
+        llm = semspec.load("embedded", probes={str(probes_dir)!r})
+        out = llm.generate({Q!r}, max_new_tokens=32)
+        streamed = list(llm.stream({Q!r}, max_new_tokens=32))
+        many = llm.generate([{Q!r}, "What is 6 times 7?"], max_new_tokens=16)
         print(json.dumps({{
             "module": semspec.__file__, "text": out.text, "refused": refused,
             "steps": [s.to_dict() for s in out.steps], "streamed": [s.to_dict() for s in streamed],
-            "many": [m.text for m in many], "first_alone": spec.generate({Q!r}, max_new_tokens=16).text,
+            "many": [m.text for m in many], "first_alone": llm.generate({Q!r}, max_new_tokens=16).text,
             "mlflow": "mlflow" in sys.modules,
         }}))
         """
@@ -95,8 +95,8 @@ def test_the_api_and_the_server_run_with_the_pipeline_blocked_from_import(tmp_pa
         from fastapi.testclient import TestClient
         from semspec.flows.serve.app import create_app
         from semspec.flows.serve.config import ServeConfig
-        spec = semspec.load("embedded", probes={str(probes_dir)!r})
-        with TestClient(create_app(spec, ServeConfig()), base_url="http://127.0.0.1") as client:
+        llm = semspec.load("embedded", probes={str(probes_dir)!r})
+        with TestClient(create_app(llm, ServeConfig()), base_url="http://127.0.0.1") as client:
             r = client.post("/v1/chat/completions", json={{"messages": [{{"role": "user", "content": {Q!r}}}],
                                                           "max_tokens": 16}})
         print(json.dumps({{"status": r.status_code, "body": r.json()}}))
@@ -124,7 +124,7 @@ def test_load_refuses_bad_input_before_any_model_loads(probes_dir):
 def served(embedded_pair, draft_lm, target_lm, probes_dir):
     from semspec.api import SemanticSpec
 
-    spec = SemanticSpec(
+    llm = SemanticSpec(
         embedded_pair,
         {"draft": draft_lm, "target": target_lm},
         DecodeSettings(max_new_tokens=24),
@@ -132,16 +132,16 @@ def served(embedded_pair, draft_lm, target_lm, probes_dir):
         probes_dir,
         4,
     )
-    with running_server(spec, max_tokens_limit=24) as (base, _app):
-        yield base, spec
+    with running_server(llm, max_tokens_limit=24) as (base, _app):
+        yield base, llm
 
 
 def test_the_openai_client_against_the_embedded_pair(served):
-    base, spec = served
+    base, llm = served
     client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": Q}]
     out = client.chat.completions.create(model="embedded", messages=messages, max_tokens=24)
-    alone = spec.generate(messages, max_new_tokens=24)
+    alone = llm.generate(messages, max_new_tokens=24)
     assert out.choices[0].message.content == alone.text
     assert [s["author"] for s in out.model_extra["semspec"]["steps"]] == [s.author for s in alone.steps]
     stream = client.chat.completions.create(model="embedded", messages=messages, max_tokens=24, stream=True)

@@ -60,7 +60,7 @@ def _int8_lm(arch: str = "llama", fmt: Format = INT8):
     model = base.model if arch == "llama" else _qwen2(len(base.tokenizer))
     model = model.to(torch.bfloat16)
     quantize_model(model, fmt)
-    return LM(install_kernels(model), base.tokenizer, base.spec, fmt)
+    return LM(install_kernels(model), base.tokenizer, base.config, fmt)
 
 
 @pytest.fixture

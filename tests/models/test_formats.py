@@ -22,7 +22,7 @@ from semspec.models.cpu.formats import (
     resolve_format,
 )
 from semspec.models.lm import LM, install_kernels
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.project.settings import Settings, reload_settings
 from tests.helpers.tiny import tiny_lm
 
@@ -135,7 +135,7 @@ def test_forced_to_avx2_the_cpu_is_seen_as_an_avx2_only_one(monkeypatch):
 )
 def test_every_bad_format_is_an_error_naming_the_field(fields, msg):
     with pytest.raises(ValueError, match=msg):
-        ModelSpec(model_id="m", **fields)
+        ModelConfig(model_id="m", **fields)
     with pytest.raises(ValueError, match="field 'dtype'"):
         resolve_format(fields["dtype"], fields.get("device", "cpu"))
 
@@ -271,7 +271,7 @@ def _in_format(base: LM, fmt: Format) -> LM:
         # 7 projections per block, 2 blocks, and the head, whose 100 outputs int4's kernel cannot take
         # (not a multiple of 16): it stays dense there
         assert quantize_model(model, fmt) == 2 * 7 + (fmt.name == "int8")
-    return LM(install_kernels(model), base.tokenizer, base.spec, fmt)
+    return LM(install_kernels(model), base.tokenizer, base.config, fmt)
 
 
 # Documented tolerance (README, "Formats"): on a tiny random model (hidden 64) float16, bfloat16 and int8

@@ -171,7 +171,7 @@ def test_an_int4_model_says_which_kernel_decodes(fresh):
     base = tiny_lm(init=0.2, hidden=64)
     model = base.model.to(torch.bfloat16)
     quantize_model(model, INT4)
-    why = LM(install_kernels(model), base.tokenizer, base.spec, INT4).describe()["why"]
+    why = LM(install_kernels(model), base.tokenizer, base.config, INT4).describe()["why"]
     best = "AVX512_BF16" if BF16 else "AVX2, int8 activations per 32"
     kernel = f"semspec's int4 kernel ({best}, packed weights)" if RUNS else "_weight_int4pack_mm_for_cpu"
     assert f"int4 calls: {kernel}" in why

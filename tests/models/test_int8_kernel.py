@@ -154,7 +154,7 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
     from tests.helpers.tiny import tiny_lm
 
     base = tiny_lm()
-    lm = LM(base.model, base.tokenizer, base.spec, Format("int8", torch.bfloat16, dense_rows=4))
+    lm = LM(base.model, base.tokenizer, base.config, Format("int8", torch.bfloat16, dense_rows=4))
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: None)
     assert "; int8 calls: PyTorch's _weight_int8pack_mm;" in lm.describe()["why"]
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))

@@ -205,14 +205,14 @@ def test_embedding_judge_fits_its_window_the_same_way():
 
 
 def test_judge_weights_are_checked_against_the_pinned_sha256_before_loading(tmp_path):
-    from semspec.models.lm.pair import JudgeSpec
+    from semspec.models.lm.pair import JudgeConfig
     from semspec.models.spec.judges import load_judge
 
     (tmp_path / "model.safetensors").write_bytes(b"not the weights the pair file pins")
-    spec = JudgeSpec(
+    model_cfg = JudgeConfig(
         kind="embedding", model_id="minilm", source="local", path=str(tmp_path), sha256="ab" * 32
     )
     with pytest.raises(ValueError, match=r"minilm: sha256 of .*model\.safetensors"):
-        load_judge(spec)
+        load_judge(model_cfg)
     with pytest.raises(ValueError, match="sha256"):
-        JudgeSpec(kind="embedding", source="local", path=str(tmp_path), sha256="not-hex")
+        JudgeConfig(kind="embedding", source="local", path=str(tmp_path), sha256="not-hex")

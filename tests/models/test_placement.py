@@ -1,14 +1,14 @@
-"""Each model loads straight onto its spec's device: a GPU model gets `device_map` at `from_pretrained`,
+"""Each model loads straight onto its config's device: a GPU model gets `device_map` at `from_pretrained`,
 so no full copy is built in CPU memory first; a CPU model loads as before."""
 
 from __future__ import annotations
 
 from semspec.models.lm import loading
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 
 
-def _spec(device: str) -> ModelSpec:
-    return ModelSpec(model_id="m", source="local", path="/nonexistent", device=device, dtype="bfloat16")
+def _spec(device: str) -> ModelConfig:
+    return ModelConfig(model_id="m", source="local", path="/nonexistent", device=device, dtype="bfloat16")
 
 
 def test_gpu_models_load_onto_their_device_and_cpu_models_as_before(monkeypatch):

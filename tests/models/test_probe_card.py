@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelConfig, PairConfig
 from semspec.models.project.probe_card import (
     CARD_FILE,
     CARD_VERSION,
@@ -69,11 +69,11 @@ def write_folder(folder: Path, keys: tuple[str, ...] = ("all",)) -> tuple[ProbeC
 
 
 def pair(**target) -> PairConfig:
-    spec = {"source": "local", "path": "/nonexistent", "dtype": "float32"}
+    model_cfg = {"source": "local", "path": "/nonexistent", "dtype": "float32"}
     return PairConfig(
         name="p",
-        draft=ModelSpec(model_id="m-draft", **spec),
-        target=ModelSpec(**{"model_id": "m-target", **spec, **target}),
+        draft=ModelConfig(model_id="m-draft", **model_cfg),
+        target=ModelConfig(**{"model_id": "m-target", **model_cfg, **target}),
     )
 
 
@@ -215,14 +215,14 @@ def test_reading_a_folder_imports_no_mlflow(tmp_path):
 import sys
 from pathlib import Path
 import torch
-from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelConfig, PairConfig
 from semspec.models.project.probe_card import load_card_probe
 from semspec.models.project.probe_folder import read_card, resolve_probes
 from semspec.tasks.decoders import check_probes
 folder = resolve_probes({str(tmp_path)!r})
 card = read_card(folder)
-spec = dict(source="local", path="/nonexistent", dtype="float32")
-pair = PairConfig("p", ModelSpec(model_id="m-draft", **spec), ModelSpec(model_id="m-target", **spec))
+model_cfg = dict(source="local", path="/nonexistent", dtype="float32")
+pair = PairConfig("p", ModelConfig(model_id="m-draft", **model_cfg), ModelConfig(model_id="m-target", **model_cfg))
 check_probes(pair, "all", folder)
 probe, sha = load_card_probe(folder, card, "draft", "all", "m-draft", 8, "predict", "float32")
 assert 0 < float(probe(torch.randn(1, 8))[0]) < 1

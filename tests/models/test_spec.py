@@ -107,11 +107,11 @@ def test_trust_remote_code_is_warned_about_naming_the_pair_and_model(tmp_path, c
 
     from semspec.models.project.pairs import load_pair
 
-    spec = {"source": "local", "path": str(tmp_path), "prompt": "plain"}
+    model_cfg = {"source": "local", "path": str(tmp_path), "prompt": "plain"}
     pair = {
         "name": "remote",
-        "draft": {"model_id": "org/safe", **spec},
-        "target": {"model_id": "org/custom-code", "trust_remote_code": True, **spec},
+        "draft": {"model_id": "org/safe", **model_cfg},
+        "target": {"model_id": "org/custom-code", "trust_remote_code": True, **model_cfg},
     }
     (tmp_path / "remote.yaml").write_text(yaml.safe_dump(pair))
     with caplog.at_level(logging.WARNING, logger="semspec.models.project.pairs"):

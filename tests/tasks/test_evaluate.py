@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from semspec.models.lm.pair import ModelSpec, PairConfig
+from semspec.models.lm.pair import ModelConfig, PairConfig
 from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.results import DecodeResult, StepRecord
 from semspec.models.spec.settings import DecodeSettings
@@ -102,8 +102,8 @@ def test_paired_bootstrap_interval():
 
 
 def _pair() -> PairConfig:
-    spec = {"source": "local", "path": "/nonexistent", "prompt": "plain"}
-    return PairConfig("tiny-eval", ModelSpec("tiny-d", **spec), ModelSpec("tiny-t", **spec))
+    model_cfg = {"source": "local", "path": "/nonexistent", "prompt": "plain"}
+    return PairConfig("tiny-eval", ModelConfig("tiny-d", **model_cfg), ModelConfig("tiny-t", **model_cfg))
 
 
 def test_specsampling_is_skipped_across_vocabularies_with_the_reason(tmp_path):
@@ -126,8 +126,8 @@ def test_evaluate_resumes_per_problem(tmp_path, monkeypatch):
         decode=DecodeSettings(max_new_tokens=8),
     )
     first = run_evaluate(cfg, _pair(), tmp_path, lms=lms, log_mlflow=False)
-    spec = first["arith"]["specsampling"]  # one vocabulary: the Leviathan decoder runs
-    assert spec["n"] == 3 and spec["speedup_latency"] > 0 and "_skipped_methods" not in first
+    row = first["arith"]["specsampling"]  # one vocabulary: the Leviathan decoder runs
+    assert row["n"] == 3 and row["speedup_latency"] > 0 and "_skipped_methods" not in first
     # greedy token-level speculation writes exactly the target's text
     target_rows = (tmp_path / "arith" / "target.jsonl").read_text().splitlines()
     spec_rows = (tmp_path / "arith" / "specsampling.jsonl").read_text().splitlines()
@@ -254,9 +254,9 @@ def test_batch_bench_reports_each_batch_size_beside_the_target(monkeypatch):
     ]
     assert all(r["throughput_tps"] > 0 and r["output_tokens"] > 0 for r in rows)
     assert out["target@2"]["x_target_throughput"] == pytest.approx(1.0)
-    spec = out["semanticspec-all@2"]
-    assert spec["x_target_throughput"] == pytest.approx(
-        spec["throughput_tps"] / out["target@2"]["throughput_tps"]
+    row = out["semanticspec-all@2"]
+    assert row["x_target_throughput"] == pytest.approx(
+        row["throughput_tps"] / out["target@2"]["throughput_tps"]
     )
     assert "token-level" in out["_notes"] and "float32" in bench.format_batch_bench(out)
     with pytest.raises(ValueError, match="batch"):

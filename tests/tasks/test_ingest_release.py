@@ -47,7 +47,7 @@ def test_a_killed_ingest_keeps_its_chains_and_writes_only_the_rest(tmp_path, mon
             written.append(q)
             keep(i, f"{role} one ({q[:6]}).\n\n{role} two.\n\n{role} three.")
 
-    monkeypatch.setattr(ingest, "load_lm", lambda spec: object())
+    monkeypatch.setattr(ingest, "load_lm", lambda model_cfg: object())
     monkeypatch.setattr(traces, "write_chains", chains)
     p = load_params(overrides=["ingest.max_questions=5", "ingest.trace_author=[target,draft]"])
     out = tmp_path / "prefixes.parquet"

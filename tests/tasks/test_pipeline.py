@@ -605,8 +605,8 @@ def test_ingest_can_have_the_draft_write_every_trace(tmp_path, monkeypatch):
     pair = write_tiny_pair(tmp_path / "pair")
     loaded, draft = [], object()
 
-    def load(spec):
-        loaded.append(spec.model_id)
+    def load(model_cfg):
+        loaded.append(model_cfg.model_id)
         return draft
 
     def trace(lm, question: str, max_tokens: int) -> str:
@@ -639,7 +639,7 @@ def test_ingest_mixes_contexts_from_several_trace_authors(tmp_path, monkeypatch)
     from semspec.tasks import ingest, traces
 
     pair = write_tiny_pair(tmp_path / "pair")
-    monkeypatch.setattr(ingest, "load_lm", lambda spec: spec.model_id)
+    monkeypatch.setattr(ingest, "load_lm", lambda model_cfg: model_cfg.model_id)
     monkeypatch.setattr(ingest, "write_trace", lambda lm, q, n: f"Draft one.\n\nDraft two ({q[:6]}).")
     monkeypatch.setattr(traces, "write_chains", chains_of(ingest.write_trace))
     base = ["ingest.max_questions=4", "ingest.max_prefixes_per_question=50", "ingest.trace_max_tokens=16"]
@@ -667,7 +667,7 @@ def test_ingest_cuts_contexts_from_the_semanticspec_decoders_own_chains(tmp_path
     from semspec.tasks import ingest
 
     pair = write_tiny_pair(tmp_path / "pair")
-    monkeypatch.setattr(ingest, "load_lm", lambda spec: spec.model_id)
+    monkeypatch.setattr(ingest, "load_lm", lambda model_cfg: model_cfg.model_id)
     built = []
 
     class Decoder:

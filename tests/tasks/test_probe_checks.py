@@ -22,11 +22,11 @@ SHIPPED = sorted(p.parent for p in (project_root() / SHIPPED_DIR).glob("*/semspe
 
 @pytest.fixture
 def exported(tmp_path):
-    spec = TinySpec()
-    folder = write_untrained_probes(tmp_path / "probes", spec.pair, spec.lms["draft"], spec.lms["target"])
+    llm = TinySpec()
+    folder = write_untrained_probes(tmp_path / "probes", llm.pair, llm.lms["draft"], llm.lms["target"])
     rng = np.random.default_rng(0)
     n = 40
-    dims = {role: spec.lms[role].hidden_size for role in ("draft", "target")}
+    dims = {role: llm.lms[role].hidden_size for role in ("draft", "target")}
     data = RoutingData(
         {"all": rng.normal(size=(n, dims["draft"])).astype(np.float32)},
         {"all": rng.normal(size=(n, dims["target"])).astype(np.float32)},

@@ -25,11 +25,11 @@ FLOORS = {"all": 0.375}  # min_ratio chosen on validation, tagged on both of the
 
 def write_pair(project: Path, draft_id: str = MODEL_IDS["draft"]) -> Path:
     """``project/conf/pairs/tp.yaml``: the pair the probes were trained for (target file pinned)."""
-    spec = {"source": "local", "path": "/nonexistent", "dtype": "float32"}
+    model_cfg = {"source": "local", "path": "/nonexistent", "dtype": "float32"}
     data = {
         "name": PAIR,
-        "draft": {"model_id": draft_id, **spec},
-        "target": {"model_id": MODEL_IDS["target"], "sha256": TARGET_SHA, **spec},
+        "draft": {"model_id": draft_id, **model_cfg},
+        "target": {"model_id": MODEL_IDS["target"], "sha256": TARGET_SHA, **model_cfg},
     }
     path = project / "conf" / "pairs" / f"{PAIR}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
