@@ -1,10 +1,11 @@
-"""What the two-model step-level methods share: the draft proposes steps in one batched decode loop, the
-target rewrites the rejected ones together, and the draft rolls back and re-reads."""
+"""What the two-model step-level methods share: the draft proposes steps (``DraftProposer``), a method's
+verifier judges them, the target rewrites the rejected ones together, and the draft rolls back and
+re-reads."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from semspec.models.lm import (
@@ -18,6 +19,7 @@ from semspec.models.spec.batching import (
     Row,
     timings_of,
 )
+from semspec.models.spec.proposer import DraftProposer, Restore
 from semspec.models.spec.results import (
     Clock,
     StepRecord,
@@ -31,7 +33,7 @@ class Rewrite:
 
     row: Row
     start: StepStart
-    d_restore: Callable[[], LMState] | None  # None: the draft reads no more of this answer (handed over)
+    d_restore: Restore | None  # None: the draft reads no more of this answer (handed over)
     replay: list[str]  # the round's accepted steps, for the draft to re-read
     proposal: str | None  # None: the target writes the step with nothing proposed (handed over)
     why: dict[str, float | int | str | None]  # p, q, u, tok, score and what rejected the step
@@ -53,6 +55,11 @@ class DraftTarget(BatchDecoder):
     def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """Propose and judge for ``rows``; returns the rejected steps to rewrite."""
         raise NotImplementedError
+
+    @functools.cached_property
+    def proposer(self) -> DraftProposer:
+        """The draft's side: it proposes steps and follows the verifier's decisions."""
+        return DraftProposer(self.draft, self.settings)
 
     @functools.cached_property
     def _owed(self) -> dict[Row, Rewrite]:
@@ -102,44 +109,6 @@ class DraftTarget(BatchDecoder):
             for r in waiting:
                 owed[r].waited += 1
 
-    def _propose(
-        self, rows: list[Row], gamma: int, lookahead: int = 0
-    ) -> dict[int, list[tuple[StepSample, int]]]:
-        """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step) in one batched decode
-        loop, plus up to ``lookahead`` more for rows done before the slowest: the steps the draft would
-        propose in the next rounds (``_valid`` checks their budgets once the steps before are judged);
-        advances the draft's caches. Proposal ``j`` samples with ``row.next_seed() + j``. Returns row index ->
-        its proposals, each with the token budget it was written under."""
-        s = self.settings
-        budgets = {b: [r.step_budget(s, self.draft)] for b, r in enumerate(rows)}
-
-        def more(b: int, done: list[StepSample]) -> int | None:
-            # what the round's earlier proposals use counts against the output budget too
-            used = rows[b].used(done)
-            if used >= rows[b].budget or len(done) >= gamma + lookahead:
-                return None
-            budgets[b].append(rows[b].step_budget(s, self.draft, used))
-            return budgets[b][-1]
-
-        starts = [StepStart(r.draft, budgets[b][0], r.next_seed()) for b, r in enumerate(rows)]
-        with Clock(timings_of(rows), "draft"):
-            outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
-        proposals = {}
-        for b, (row, (steps, state)) in enumerate(zip(rows, outs, strict=True)):
-            row.draft = state
-            proposals[row.index] = list(zip(steps, budgets[b], strict=False))
-        return proposals
-
-    def _valid(self, row: Row, step: StepSample, budget: int, used: int) -> bool:
-        """Whether a proposal is the step the draft writes at this point when it proposes round by round:
-        ``used`` output tokens before it (the target's count, as a round would start from); with
-        lookahead the draft counted its own tokens, and a different budget matters only when the step
-        ran into one of the two."""
-        if used >= row.budget:
-            return False
-        needed = row.step_budget(self.settings, self.draft, used)
-        return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
-
     def _accept(
         self, row: Row, step: StepSample, target_state: LMState, k: int, **why: float | int | str | None
     ) -> None:
@@ -154,8 +123,9 @@ class DraftTarget(BatchDecoder):
     def _rewrite(self, items: list[Rewrite]) -> None:
         """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
         rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
-        round's accepted steps and reads the target's step (batched too). A row handed over to the target
-        (no proposal, no checkpoint) only gets the target's step: its draft reads no more."""
+        round's accepted steps and reads the target's step (``DraftProposer``, batched too). A row handed
+        over to the target (no proposal, no checkpoint) only gets the target's step: its draft reads no
+        more."""
         if not items:
             return
         s, rows = self.settings, [it.row for it in items]
@@ -163,12 +133,15 @@ class DraftTarget(BatchDecoder):
             written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
         synced = [b for b, it in enumerate(items) if it.d_restore is not None]  # the others: handed over
         draft_tokens = [0] * len(items)
-        with Clock(timings_of([rows[b] for b in synced]), "draft"):
-            dstates = self._draft_back([(items[b].d_restore, items[b].replay) for b in synced])
-            before = [len(d.ids) for d in dstates]
-            self._draft_reads(dstates, [written[b][0].text for b in synced])
-        for b, dstate, n in zip(synced, dstates, before, strict=True):
-            rows[b].draft, draft_tokens[b] = dstate, len(dstate.ids) - n
+        if synced:
+            back = [rows[b] for b in synced]
+            self.proposer.roll_back(
+                back, [items[b].d_restore for b in synced], [items[b].replay for b in synced]
+            )
+            for b, k in zip(
+                synced, self.proposer.read(back, [written[b][0].text for b in synced]), strict=True
+            ):
+                draft_tokens[b] = k
         for it, (step, tstate), k in zip(items, written, draft_tokens, strict=True):
             row = it.row
             row.target = tstate
@@ -186,20 +159,3 @@ class DraftTarget(BatchDecoder):
             row.res.output_tokens += step.num_tokens
             if step.finish_reason == "eos" or not step.text:
                 row.res.finish_reason = "eos"
-
-    def _draft_back(self, items: list[tuple[Callable[[], LMState], list[str]]]) -> list[LMState]:
-        """Each draft rolled back to its round's checkpoint and re-reading the round's accepted steps,
-        the rows batched."""
-        dstates = [restore() for restore, _ in items]
-        for j in range(max((len(replay) for _, replay in items), default=0)):
-            self._draft_reads(dstates, [replay[j] if j < len(replay) else "" for _, replay in items])
-        return dstates
-
-    def _draft_reads(self, dstates: list[LMState], texts: list[str]) -> None:
-        """Extend each draft state by its text (rows with no text are left alone), in one prefill."""
-        idx = [i for i, text in enumerate(texts) if text]
-        if idx:
-            for i, ext in zip(
-                idx, self.draft.extend_many([dstates[i] for i in idx], [texts[i] for i in idx]), strict=True
-            ):
-                dstates[i] = ext[0]

@@ -72,8 +72,8 @@ class SpecReasonDecoder(DraftTarget):
         """One round: the draft writes a step per row, the target rates them (batched); returns the steps
         below the threshold, for the target to rewrite."""
         s = self.settings
-        d_restores = {r.index: r.draft.checkpoint(r.step_budget(s, self.draft) + 8) for r in rows}
-        proposals = self._propose(rows, 1)
+        d_restores = self.proposer.checkpoints(rows, [r.step_budget(s, self.draft) + 8 for r in rows])
+        proposals = self.proposer.propose(rows, 1)
         steps = [proposals[r.index][0][0] for r in rows]
         t_restores = [r.target.checkpoint(self.target.config.max_step_tokens * 2 + 64) for r in rows]
         idx = [b for b, step in enumerate(steps) if step.text]

@@ -11,6 +11,7 @@ import torch
 import semspec.models.lm.step_decoding as step_decoding
 from semspec.models.lm import LM, StepStart
 from semspec.models.spec.batching import SingleModelDecoder, decode_all
+from semspec.models.spec.proposer import DraftProposer
 from semspec.models.spec.semanticspec import SemanticSpecDecoder
 from semspec.models.spec.settings import DecodeSettings
 from semspec.models.spec.specreason import SpecReasonDecoder
@@ -197,16 +198,14 @@ def test_lookahead_never_changes_an_output(pair, probes, monkeypatch):
     # steps of 1 to 8 tokens: rows finish theirs far apart, so lookahead steps are often cut short
     draft = tiny_lm(merged=True, seed=0, boost=0.5, eos_bias=0.5, init=0.2, max_step_tokens=8)
     q, p = {"mixed": (1.0, 0.5), "always-accept": (0.1, 1.0)}[probes]
-    dropped, invalid, real, real_valid = [], [], step_decoding.sample_rows, SemanticSpecDecoder._valid
+    dropped, invalid, real, real_valid = [], [], step_decoding.sample_rows, DraftProposer.valid
     monkeypatch.setattr(
         step_decoding,
         "sample_rows",
         lambda *a: (runs := real(*a), dropped.extend(r.dropped for r in runs))[0],
     )
     resumed = _count_resumed(monkeypatch)
-    monkeypatch.setattr(
-        SemanticSpecDecoder, "_valid", lambda *a: (ok := real_valid(*a), invalid.append(not ok))[0]
-    )
+    monkeypatch.setattr(DraftProposer, "valid", lambda *a: (ok := real_valid(*a), invalid.append(not ok))[0])
     alone = [
         SemanticSpecDecoder(draft, target, lambda h: q, lambda h: p, DecodeSettings(40, 8, seed=3)).decode(x)
         for x in QUESTIONS
