@@ -76,20 +76,19 @@ class DraftTarget(BatchDecoder):
             self._owed.pop(row, None)
 
     def hand_over(self, rows: Sequence[Row]) -> list[Row]:
-        """The rows of ``rows`` that may go on with the target alone, released: those not waiting for a
-        rewrite (a waiting row leaves after the round that rewrites its step), their draft states dropped
-        (the draft reads no more of their answers)."""
+        """The rows of ``rows`` that may go on with the target alone: those not waiting for a rewrite (a
+        waiting row leaves after the round that rewrites its step; the others are owed nothing, so there is
+        nothing to release), their draft states dropped (the draft reads no more of their answers)."""
         moving = [r for r in rows if not self.waiting(r)]
         for row in moving:
             row.draft = None
-        self.release(moving)
         return moving
 
     def _advance(self, rows: list[Row]) -> None:
-        """One round (``_propose_and_judge``) for the rows owed no rewrite. The target rewrites the rejected rows
-        together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could go on
-        without them: its decode forward costs about the same for one row as for several, and a row that
-        waits goes through the same steps (only later)."""
+        """One round (``_propose_and_judge``) for the rows owed no rewrite. The target rewrites the rejected
+        rows together, once half the batch waits, one has waited ``rewrite_wait`` rounds, or no row could go
+        on without them: its decode forward costs about the same for one row as for several, and a row
+        that waits goes through the same steps (only later)."""
         s, owed = self.settings, self._owed
         active = [r for r in rows if r not in owed]
         for it in self._propose_and_judge(active) if active else []:

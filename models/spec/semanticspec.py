@@ -78,9 +78,9 @@ class SemanticSpecDecoder(DraftTarget):
 
     def _verify_round(self, rows: list[Row]) -> list[Rewrite]:
         """One round: the draft proposes up to gamma steps per row (and lookahead steps, see
-        ``DraftProposer.propose``), the verifier judges them in order (``SemanticSpecVerifier`` (each proposal position one
-        batched prefill over the rows still going); returns the first rejected step of each row, for the
-        target to rewrite."""
+        ``DraftProposer.propose``), the verifier judges them in order (``SemanticSpecVerifier``: each
+        proposal position one batched prefill over the rows still going); returns the first rejected step
+        of each row, for the target to rewrite."""
         s = self.settings
         d_restores = self.proposer.checkpoints(rows, [s.gamma * step_room(s, self.draft, 0) + 8] * len(rows))
         proposals = self.proposer.propose(rows, s.gamma, s.lookahead)

@@ -34,20 +34,11 @@ VERIFY_INSTRUCTION = (
 VERIFY_LEAD = "I think the quality score is: "
 
 
-class SpecReasonDecoder(DraftTarget):
-    """SpecReason: the target scores each draft step 0-9; steps scored below the threshold are rewritten."""
+class SpecReasonVerifier:
+    """SpecReason's verifier: the target rates a step 0-9 in a verification turn after it."""
 
-    method = "specreason"
-
-    def __init__(
-        self,
-        draft: LM,
-        target: LM,
-        settings: DecodeSettings,
-        instruction: str = VERIFY_INSTRUCTION,
-        lead: str = VERIFY_LEAD,
-    ) -> None:
-        self.draft, self.target, self.settings = draft, target, settings
+    def __init__(self, target: LM, instruction: str = VERIFY_INSTRUCTION, lead: str = VERIFY_LEAD) -> None:
+        self.target = target
         self.prompt = target.next_turn(instruction, lead)
         ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
         self.digits = {i[0]: d for d, i in enumerate(ids) if len(i) == 1}
@@ -68,6 +59,23 @@ class SpecReasonDecoder(DraftTarget):
             out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
         return out
 
+
+class SpecReasonDecoder(DraftTarget):
+    """SpecReason: the target scores each draft step 0-9; steps scored below the threshold are rewritten."""
+
+    method = "specreason"
+
+    def __init__(
+        self,
+        draft: LM,
+        target: LM,
+        settings: DecodeSettings,
+        instruction: str = VERIFY_INSTRUCTION,
+        lead: str = VERIFY_LEAD,
+    ) -> None:
+        self.draft, self.target, self.settings = draft, target, settings
+        self.verifier = SpecReasonVerifier(target, instruction, lead)
+
     def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """One round: the draft writes a step per row, the target rates them (batched); returns the steps
         below the threshold, for the target to rewrite."""
@@ -81,7 +89,7 @@ class SpecReasonDecoder(DraftTarget):
         if idx:
             scored = [rows[b] for b in idx]
             with Clock(timings_of(scored), "verify"):
-                out = self.rate([r.target for r in scored], [steps[b].text for b in idx])
+                out = self.verifier.rate([r.target for r in scored], [steps[b].text for b in idx])
             rated = dict(zip(idx, out, strict=True))
         rewrites = []
         for b, (row, step) in enumerate(zip(rows, steps, strict=True)):

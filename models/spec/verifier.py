@@ -91,11 +91,11 @@ class SemanticSpecVerifier:
     def judge(
         self, rows: list[Row], steps: list[StepSample], ahead_scores: dict[int, list[StepScore]]
     ) -> list[Judgement]:
-        """The target prefills each row's step on its cache (in place, all rows in one padded prefill;
-        a row's next score from ``score_ahead``, in ``ahead_scores``, is taken as it is) and the probes give q
-        and p (batched); a step is accepted when ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set), or with ``min_p``
-        when ``p >= min_p``; with ``min_token_p``, a step so accepted is then rejected when the target
-        gives one of its tokens a lower probability (one head pass over the accepted steps' positions).
+        """The target prefills each row's step on its cache (in place, all rows in one padded prefill; a
+        row's next score from ``score_ahead``, in ``ahead_scores``, is taken as it is) and the probes give q
+        and p (batched); ``rules.accept`` decides: ``u < min(1, p/q)`` (and ``p/q >= min_ratio`` when set),
+        or with ``min_p`` ``p >= min_p``; with ``min_token_p``, a step so accepted is then rejected when the
+        target gives one of its tokens a lower probability (one head pass over the accepted steps' positions).
         Returns each row's verdict."""
         s, tms = self.settings, timings_of(rows)
         restores = [r.target.checkpoint(scored_room(s, self.target)) for r in rows]

@@ -236,8 +236,10 @@ def test_specreason_threshold_zero_accepts_everything(pair):
 def test_specreason_low_scores_are_rewritten_by_the_target(pair, monkeypatch):
     draft, target = pair
     dec = SpecReasonDecoder(draft, target, SETTINGS)
-    real = dec.rate
-    monkeypatch.setattr(dec, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)])
+    real = dec.verifier.rate
+    monkeypatch.setattr(
+        dec.verifier, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)]
+    )
     res = dec.decode(Q)
     assert res.text == SingleModelDecoder(target, SETTINGS, "target").decode(Q).text
 
@@ -336,8 +338,10 @@ def test_specreason_rewrites_with_the_target_step_budget(monkeypatch):
     draft = tiny_lm(merged=True, seed=0, max_step_tokens=8)
     target = tiny_lm(seed=1, max_step_tokens=3)
     dec = SpecReasonDecoder(draft, target, DecodeSettings(max_new_tokens=24))
-    real = dec.rate
-    monkeypatch.setattr(dec, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)])
+    real = dec.verifier.rate
+    monkeypatch.setattr(
+        dec.verifier, "rate", lambda states, texts: [(0, *r[1:]) for r in real(states, texts)]
+    )
     res = dec.decode(Q)
     assert res.steps and all(s.author == "target" and s.target_tokens <= 3 for s in res.steps)
 
@@ -362,11 +366,11 @@ def test_specreason_asks_in_a_new_user_turn_of_the_chat_template():
     target.tokenizer.chat_template = CHATML
     dec = SpecReasonDecoder(target, target, SETTINGS)
     # the steps' assistant turn is closed, the instruction is a user turn, the reply starts with the lead
-    assert dec.prompt.startswith("<|im_end|>\n<|im_start|>user\nEvaluate the last reasoning step")
-    assert dec.prompt.endswith(
+    assert dec.verifier.prompt.startswith("<|im_end|>\n<|im_start|>user\nEvaluate the last reasoning step")
+    assert dec.verifier.prompt.endswith(
         "Assign a score from 0 to 9.<|im_end|>\n<|im_start|>assistant\nI think the quality score is: "
     )
-    plain = SpecReasonDecoder(target, tiny_lm(seed=1), SETTINGS).prompt
+    plain = SpecReasonDecoder(target, tiny_lm(seed=1), SETTINGS).verifier.prompt
     assert plain.startswith("\n\nEvaluate") and plain.endswith("\nI think the quality score is: ")
 
 
