@@ -282,16 +282,9 @@ def evidence(folder: Path) -> dict[str, dict[str, Any]]:
             rows.setdefault(path.stem, []).append(
                 {**r, "question_id": f"{path.parent.name}/{r['question_id']}"}
             )
-    out = {}
-    for label, mine in rows.items():
-        vs_target = summarize_rows(mine, rows.get("target"))
-        vs_draft = summarize_rows(mine, rows.get("draft"))
-        out[label] = {
-            **vs_target,
-            "delta_vs_draft": vs_draft.get("delta_vs_target"),
-            "delta_vs_draft_ci95": vs_draft.get("delta_vs_target_ci95"),
-        }
-    return out
+    return {
+        label: summarize_rows(mine, rows.get("target"), rows.get("draft")) for label, mine in rows.items()
+    }
 
 
 def _ci(v: list[float] | None, sign: str = "+") -> str:

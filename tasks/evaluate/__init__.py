@@ -85,7 +85,10 @@ def run_evaluate(
     wanted = {(b, p.question_id, s) for b, ps in problems.items() for p in ps for s in cfg.seeds}
     rows = {k: [r for r in rs if (k[0], r["question_id"], r["seed"]) in wanted] for k, rs in rows.items()}
     metrics: dict[str, Any] = {
-        bench: {label: summarize_rows(rows[bench, label], rows.get((bench, "target"))) for label in labels}
+        bench: {
+            label: summarize_rows(rows[bench, label], rows.get((bench, "target")), rows.get((bench, "draft")))
+            for label in labels
+        }
         for bench in problems
     }
     metrics["_overall"] = overall_metrics(rows, labels, list(problems))

@@ -1,5 +1,6 @@
-"""An evaluation's statistics: pass@1 with bootstrap intervals, paired differences to ``target``, the two
-speed-ups measured in the same run, and the per-problem record they are computed from."""
+"""An evaluation's statistics: pass@1 with bootstrap intervals, paired differences to ``target`` and to
+``draft``, the two speed-ups measured in the same run, how often an answer is the target's or the draft's,
+the share of answers the budget cut, and the per-problem record they are computed from."""
 
 from __future__ import annotations
 
@@ -16,18 +17,23 @@ from semspec.tasks.data import Problem
 
 
 def bootstrap_pass(
-    correct: list[bool], base: list[bool] | None = None, n_resamples: int = 2000, seed: int = 0
+    correct: list[bool],
+    base: list[bool] | None = None,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    versus: str = "target",
 ) -> dict[str, Any]:
-    """95% percentile-bootstrap interval of pass@1 over problems and, with ``base`` (the target's grades on
-    the same problems, in the same order), of the paired difference ``pass@1 - base pass@1``.
-    Intervals need at least two problems (None otherwise)."""
+    """95% percentile-bootstrap interval of pass@1 over problems and, with ``base`` (the grades of the
+    method ``versus`` on the same problems, in the same order), of the paired difference ``pass@1 - base
+    pass@1`` (``delta_vs_<versus>``). Intervals need at least two problems (None otherwise)."""
     a = np.asarray(correct, dtype=float)
     out: dict[str, Any] = {"pass@1_ci95": None}
+    delta = f"delta_vs_{versus}"
     if base is not None:
         b = np.asarray(base, dtype=float)
         if b.shape != a.shape:
             raise ValueError(f"paired bootstrap needs grades on the same problems: {a.shape} vs {b.shape}")
-        out.update(delta_vs_target=float(a.mean() - b.mean()) if len(a) else None, delta_vs_target_ci95=None)
+        out.update({delta: float(a.mean() - b.mean()) if len(a) else None, f"{delta}_ci95": None})
     if len(a) < 2:
         return out
     kw = {
@@ -42,7 +48,7 @@ def bootstrap_pass(
         out["pass@1_ci95"] = [float(ci.low), float(ci.high)]
         if base is not None:
             diff = bootstrap((a, b), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True, **kw)
-            out["delta_vs_target_ci95"] = [
+            out[f"{delta}_ci95"] = [
                 float(diff.confidence_interval.low),
                 float(diff.confidence_interval.high),
             ]
@@ -50,7 +56,9 @@ def bootstrap_pass(
 
 
 def summarize_rows(
-    rows: list[dict[str, Any]], base_rows: list[dict[str, Any]] | None = None
+    rows: list[dict[str, Any]],
+    base_rows: list[dict[str, Any]] | None = None,
+    draft_rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Metrics of one (benchmark, method) from its per-problem rows, against ``base_rows`` (the target's rows
     of the same run) where given. Speed-ups and the paired pass@1 difference use only the problems (question,
@@ -58,7 +66,10 @@ def summarize_rows(
     speed-up), ``speedup_per_token`` = the target's time per output token / this method's (fair when
     outputs differ in length). A problem's time is its ``cost_s``: its latency when decoded alone, its
     share of the batch's time when batched, so batched and one-at-a-time methods compare fairly;
-    ``latency_s`` (join to last step) is reported beside it."""
+    ``latency_s`` (join to last step) is reported beside it. With ``draft_rows`` (the draft's rows of the
+    same run), the paired difference to the draft too. ``cut`` is the share of answers the budget ended;
+    ``same_answer_as_target`` / ``_draft`` the share of shared problems whose extracted answer is that
+    method's (both None: no answer counts as equal)."""
 
     by_seed: dict[int, list[bool]] = {}
     for r in rows:
@@ -77,8 +88,10 @@ def summarize_rows(
         "speedup_per_token": None,
         "ms_per_token": 1000 * seconds / tokens if tokens else None,
         "n": len(rows),
+        "cut": statistics.mean(r.get("finish_reason") == "length" for r in rows),
         **rejections_by_reason(rows),
     }
+    out.update(_versus(rows, draft_rows, "draft"))
     base = {(r["question_id"], r["seed"]): r for r in base_rows or []}
     both = [(r, base[k]) for r in rows if (k := (r["question_id"], r["seed"])) in base]
     if base_rows is None or not both:
@@ -86,9 +99,39 @@ def summarize_rows(
         return out
     mine, theirs = [m for m, _ in both], [t for _, t in both]
     out.update(bootstrap_pass([r["correct"] for r in mine], [r["correct"] for r in theirs]))
+    out["same_answer_as_target"] = _same_answers(both)
     out["speedup_latency"] = _ratio(sum(_cost(r) for r in theirs), sum(_cost(r) for r in mine))
     out["speedup_per_token"] = _ratio(_per_token(theirs), _per_token(mine))
     return out
+
+
+def _paired(rows: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    """(row, other's row) for each (question, seed) both have, in ``rows``' order."""
+    theirs = {(r["question_id"], r["seed"]): r for r in other}
+    return [(r, theirs[k]) for r in rows if (k := (r["question_id"], r["seed"])) in theirs]
+
+
+def _same_answers(pairs: list[tuple[dict, dict]]) -> float | None:
+    """Share of paired problems whose two extracted answers are equal and not missing."""
+    if not pairs:
+        return None
+    return statistics.mean(
+        a.get("answer") is not None and a.get("answer") == b.get("answer") for a, b in pairs
+    )
+
+
+def _versus(rows: list[dict[str, Any]], other: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
+    """The paired difference of pass@1 to method ``name`` (its rows ``other``) and how often the answers
+    are its answers: ``delta_vs_<name>``, its interval and ``same_answer_as_<name>``; nothing without
+    shared problems."""
+    pairs = _paired(rows, other or [])
+    if not pairs:
+        return {}
+    grades = bootstrap_pass([a["correct"] for a, _ in pairs], [b["correct"] for _, b in pairs], versus=name)
+    return {
+        **{k: v for k, v in grades.items() if k.startswith("delta")},
+        f"same_answer_as_{name}": _same_answers(pairs),
+    }
 
 
 def overall_metrics(
@@ -105,7 +148,8 @@ def overall_metrics(
         ]
 
     base = pooled("target") if "target" in labels else None
-    return {label: summarize_rows(pooled(label), base) for label in labels if pooled(label)}
+    draft = pooled("draft") if "draft" in labels else None
+    return {label: summarize_rows(pooled(label), base, draft) for label in labels if pooled(label)}
 
 
 def rejections_by_reason(rows: list[dict[str, Any]]) -> dict[str, int]:

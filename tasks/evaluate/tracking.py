@@ -164,7 +164,7 @@ def _log_method(cfg: EvaluateConfig, label: str, metrics: dict[str, Any]) -> Non
         if label not in ms:
             continue
         m = dict(ms[label])
-        for name in ("pass@1_ci95", "delta_vs_target_ci95"):
+        for name in ("pass@1_ci95", "delta_vs_target_ci95", "delta_vs_draft_ci95"):
             if m.get(name):
                 m[f"{name}_low"], m[f"{name}_high"] = m.pop(name)
         prefix = "" if bench == "_overall" else f"{bench}_"

@@ -84,6 +84,26 @@ def test_both_speedups_on_hand_made_rows():
     assert summarize_rows(method)["speedup_latency"] is None  # no target in the run
 
 
+def test_the_study_columns_pair_each_method_with_the_target_and_the_draft():
+    """Cut answers, the paired difference to the draft and how often an answer is the target's or the
+    draft's, on hand-made rows (problem c has no draft row: it counts for the target only)."""
+
+    def row(q: str, answer: str | None, correct: bool, finish: str = "eos") -> dict:
+        return {**_row(q, 1.0, 10, correct), "answer": answer, "finish_reason": finish}
+
+    target = [row("a", "1", True), row("b", "2", True), row("c", "3", True), row("d", None, False, "length")]
+    draft = [row("a", "1", True), row("b", "5", False), row("d", None, False, "length")]
+    spec = [row("a", "1", True), row("b", "2", True), row("c", "4", False), row("d", None, False, "length")]
+    m = summarize_rows(spec, target, draft)
+    assert m["cut"] == pytest.approx(1 / 4)
+    assert m["same_answer_as_target"] == pytest.approx(2 / 4)  # a and b; d has no answer to share
+    assert m["same_answer_as_draft"] == pytest.approx(1 / 3)  # a of a, b, d
+    assert m["delta_vs_draft"] == pytest.approx(2 / 3 - 1 / 3) and len(m["delta_vs_draft_ci95"]) == 2
+    assert m["delta_vs_target"] == pytest.approx(2 / 4 - 3 / 4)
+    alone = summarize_rows(spec)
+    assert "delta_vs_draft" not in alone and "same_answer_as_target" not in alone
+
+
 def test_paired_bootstrap_interval():
     base = [True, False] * 20
     better = [True] * 40
