@@ -61,6 +61,7 @@ EVAL_COLUMNS = [
     "same_answer_as_target",
     "same_answer_as_draft",
     "cut",
+    "budget_90",
     "latency_s",
     "cost_s",
     "tps",

@@ -4,6 +4,7 @@ the share of answers the budget cut, and the per-problem record they are compute
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from collections import Counter
@@ -89,6 +90,7 @@ def summarize_rows(
         "ms_per_token": 1000 * seconds / tokens if tokens else None,
         "n": len(rows),
         "cut": statistics.mean(r.get("finish_reason") == "length" for r in rows),
+        "budget_90": finish_budget(rows, 0.9),
         **rejections_by_reason(rows),
     }
     out.update(_versus(rows, draft_rows, "draft"))
@@ -103,6 +105,18 @@ def summarize_rows(
     out["speedup_latency"] = _ratio(sum(_cost(r) for r in theirs), sum(_cost(r) for r in mine))
     out["speedup_per_token"] = _ratio(_per_token(theirs), _per_token(mine))
     return out
+
+
+def finish_budget(rows: list[dict[str, Any]], share: float = 0.9) -> int | None:
+    """The least ``max_new_tokens`` at which ``share`` of these answers end by themselves (EOS), from one
+    run at a larger budget: greedy decoding writes the same tokens under any budget it does not reach, so
+    an answer of k tokens that ended finishes under every budget >= k. None when fewer than ``share`` of
+    them ended within this run's budget (run it again with a larger one)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    ended = sorted(r["output_tokens"] for r in rows if r.get("finish_reason") == "eos")
+    need = math.ceil(share * len(rows))
+    return ended[need - 1] if rows and len(ended) >= need else None
 
 
 def _paired(rows: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[tuple[dict, dict]]:

@@ -14,7 +14,7 @@ from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig
 from semspec.tasks.data import Problem
 from semspec.tasks.evaluate import run_evaluate
-from semspec.tasks.evaluate.stats import bootstrap_pass, problem_row, summarize_rows
+from semspec.tasks.evaluate.stats import bootstrap_pass, finish_budget, problem_row, summarize_rows
 from tests.helpers.tiny import tiny_lm
 
 
@@ -102,6 +102,18 @@ def test_the_study_columns_pair_each_method_with_the_target_and_the_draft():
     assert m["delta_vs_target"] == pytest.approx(2 / 4 - 3 / 4)
     alone = summarize_rows(spec)
     assert "delta_vs_draft" not in alone and "same_answer_as_target" not in alone
+
+
+def test_the_budget_that_lets_90_percent_finish_is_read_from_one_long_run():
+    lengths = [40, 90, 120, 300, 310, 500, 700, 800, 950]  # ended by EOS; one more is cut at 1024
+    rows = [{**_row(str(i), 1.0, k, True), "finish_reason": "eos"} for i, k in enumerate(lengths)]
+    rows.append({**_row("cut", 1.0, 1024, False), "finish_reason": "length"})
+    assert finish_budget(rows, 0.9) == 950  # 9 of 10 end within 950 tokens
+    assert finish_budget(rows, 0.5) == 310
+    assert finish_budget(rows, 1.0) is None, "one answer never ended: no budget in this run lets all finish"
+    assert summarize_rows(rows)["budget_90"] == 950
+    with pytest.raises(ValueError, match="share"):
+        finish_budget(rows, 0.0)
 
 
 def test_paired_bootstrap_interval():
