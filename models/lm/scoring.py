@@ -17,7 +17,7 @@ class ScoringMixin:
     """``LM``'s scoring, greedy agreement and resume (built on ``ForwardMixin``'s forwards)."""
 
     # set by ``LM.__init__``
-    model_cfg: ModelConfig
+    config: ModelConfig
     tokenizer: Any
 
     def score_step(

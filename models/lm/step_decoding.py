@@ -20,7 +20,7 @@ class StepDecodingMixin:
     """``LM``'s decode calls: ``generate_step``, ``decode_steps``, ``decode_runs`` and their helpers."""
 
     # set by ``LM.__init__``
-    model_cfg: ModelConfig
+    config: ModelConfig
     tokenizer: Any
 
     def generate_step(

@@ -29,7 +29,7 @@ class LM(Protocol):
     (the pooling), its tokenizer and stop check, its forward and the cache layout padded batches keep."""
 
     model: PreTrainedModel
-    model_cfg: ModelConfig
+    config: ModelConfig
     tokenizer: Any
     num_layers: int
     hidden_size: int

@@ -15,7 +15,7 @@ class TextMixin:
 
     # set by ``LM.__init__``
     tokenizer: Any
-    model_cfg: ModelConfig
+    config: ModelConfig
     eos_ids: set[int]
     model_id: str
 
