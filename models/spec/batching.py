@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from semspec.models.lm import (
     LM,
     LMState,
+    NextBudget,
     Prompt,
     StepSample,
     StepStart,
 )
 from semspec.models.spec.names import ROLES
 from semspec.models.spec.results import (
-    Clock,
     Decoder,
     DecodeResult,
     StepCallback,
     StepRecord,
-    Timings,
+    charged,
     finish_result,
 )
 from semspec.models.spec.settings import (
@@ -128,10 +128,6 @@ def share_time(rows: list[Row], seconds: float) -> None:
         row.res.timings.share += seconds / len(rows)
 
 
-def timings_of(rows: list[Row]) -> list[Timings]:
-    return [r.res.timings for r in rows]
-
-
 class BatchDecoder:
     """A step-level decoder that runs many problems at once: rows advance in lock-step rounds, each
     model call covers every live row (one padded forward), finished rows leave and queued problems join
@@ -211,15 +207,18 @@ class BatchDecoder:
                 raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
             rows.append(Row(job.key, res, t0, seed, f"{seed}:{job.prompt}", budget))
         for role in self.roles:
-            lm = self.lm(role)
-            with Clock(timings_of(rows), role):
-                states = lm.prefill_many([lm.format_prompt(job.prompt) for job in jobs])
-            for row, state in zip(rows, states, strict=True):
+            for row, state in zip(rows, self._prefill(rows, role, [job.prompt for job in jobs]), strict=True):
                 row.set_state(role, state)
                 # the last role's count: the target's where there is one
                 row.res.extra["prompt_tokens"] = len(state.ids)
         share_time(rows, time.perf_counter() - t0)
         return rows
+
+    @charged("role")
+    def _prefill(self, rows: list[Row], role: str, prompts: list[Prompt]) -> list[LMState]:
+        """The model playing ``role`` reads the rows' prompts in one padded prefill."""
+        lm = self.lm(role)
+        return lm.prefill_many([lm.format_prompt(prompt) for prompt in prompts])
 
     def round(self, live: list[Row]) -> list[Row]:
         """One round for every row in ``live``; returns the rows it finished, their results complete (the
@@ -245,9 +244,7 @@ def write_alone(lm: LM, role: str, rows: list[Row], s: DecodeSettings) -> None:
         return rows[b].step_budget(s, lm, used)
 
     starts = [StepStart(r.state(role), r.step_budget(s, lm), r.next_seed()) for r in rows]
-    with Clock(timings_of(rows), role):
-        outs = lm.decode_runs(starts, s.temperature, s.top_p, 1, more)
-    for row, (steps, state) in zip(rows, outs, strict=True):
+    for row, (steps, state) in zip(rows, _decode_runs(rows, role, lm, starts, s, more), strict=True):
         row.set_state(role, state)
         for step in steps:
             k = step.num_tokens
@@ -255,6 +252,14 @@ def write_alone(lm: LM, role: str, rows: list[Row], s: DecodeSettings) -> None:
             row.res.output_tokens += k
             if step.finish_reason == "eos":
                 row.res.finish_reason = "eos"
+
+
+@charged("role")
+def _decode_runs(
+    rows: list[Row], role: str, lm: LM, starts: list[StepStart], s: DecodeSettings, more: NextBudget
+) -> list[tuple[list[StepSample], LMState]]:
+    """``lm`` (playing ``role``) writes the rows' steps from ``starts`` in one batched decode loop."""
+    return lm.decode_runs(starts, s.temperature, s.top_p, 1, more)
 
 
 class SingleModelDecoder(BatchDecoder):

@@ -17,12 +17,11 @@ from semspec.models.lm import (
 from semspec.models.spec.batching import (
     BatchDecoder,
     Row,
-    timings_of,
 )
 from semspec.models.spec.proposer import DraftProposer, Restore
 from semspec.models.spec.results import (
-    Clock,
     StepRecord,
+    charged,
 )
 
 
@@ -119,6 +118,11 @@ class DraftTarget(BatchDecoder):
         if step.finish_reason == "eos":
             row.res.finish_reason = "eos"
 
+    @charged("target")
+    def _write(self, rows: list[Row], starts: list[StepStart]) -> list[tuple[StepSample, LMState]]:
+        """The target writes a step for each row from ``starts`` (one batched decode)."""
+        return self.target.decode_steps(starts, self.settings.temperature, self.settings.top_p)
+
     def _rewrite(self, items: list[Rewrite]) -> None:
         """Rejected proposals: the target writes each row's step (all rows in one batched decode; salvaged
         rows start after their kept prefix), then each draft rolls back to its checkpoint, re-reads the
@@ -127,9 +131,8 @@ class DraftTarget(BatchDecoder):
         more."""
         if not items:
             return
-        s, rows = self.settings, [it.row for it in items]
-        with Clock(timings_of(rows), "target"):
-            written = self.target.decode_steps([it.start for it in items], s.temperature, s.top_p)
+        rows = [it.row for it in items]
+        written = self._write(rows, [it.start for it in items])
         synced = [b for b, it in enumerate(items) if it.d_restore is not None]  # the others: handed over
         draft_tokens = [0] * len(items)
         if synced:

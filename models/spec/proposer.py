@@ -1,7 +1,7 @@
 """The draft's side of the two-model step-level methods (SemanticSpec, SpecReason): ``DraftProposer``
 proposes steps for a batch of rows and keeps each row's draft state in step with the answer the row
-writes (back to a checkpoint, the round's accepted steps re-read, the target's rewrite read). Every call
-it makes is the rows' draft time.
+writes (back to a checkpoint, the round's accepted steps re-read, the target's rewrite read). Its calls
+are the rows' draft time (``charged``).
 
 Its interface is the proposer half of speculative decoding (transformers' ``CandidateGenerator``,
 vLLM's proposers): ``propose`` writes candidates, ``valid`` says whether one written ahead still stands,
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from semspec.models.lm import LM, LMState, StepSample, StepStart
-from semspec.models.spec.batching import Row, timings_of
-from semspec.models.spec.results import Clock
+from semspec.models.spec.batching import Row
+from semspec.models.spec.results import charged
 from semspec.models.spec.settings import DecodeSettings
 
 Proposals = dict[int, list[tuple[StepSample, int]]]  # row index -> its proposals, each with its budget
@@ -33,6 +33,7 @@ class DraftProposer:
         round may write before it rolls back): row index -> restore."""
         return {r.index: r.draft.checkpoint(room) for r, room in zip(rows, rooms, strict=True)}
 
+    @charged("draft")
     def propose(self, rows: list[Row], gamma: int, lookahead: int = 0) -> Proposals:
         """Up to ``gamma`` draft steps per row (fewer after EOS or an empty step) in one batched decode
         loop, plus up to ``lookahead`` more for rows done before the slowest: the steps the draft would
@@ -51,8 +52,7 @@ class DraftProposer:
             return budgets[b][-1]
 
         starts = [StepStart(r.draft, budgets[b][0], r.next_seed()) for b, r in enumerate(rows)]
-        with Clock(timings_of(rows), "draft"):
-            outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
+        outs = self.draft.decode_runs(starts, s.temperature, s.top_p, gamma, more)
         proposals = {}
         for b, (row, (steps, state)) in enumerate(zip(rows, outs, strict=True)):
             row.draft = state
@@ -69,23 +69,23 @@ class DraftProposer:
         needed = row.step_budget(self.settings, self.draft, used)
         return budget == needed or (step.finish_reason != "length" and step.num_tokens <= needed)
 
+    @charged("draft")
     def roll_back(self, rows: list[Row], restores: list[Restore], replays: list[list[str]]) -> None:
         """Each row's draft back at its checkpoint, re-reading the round's accepted steps ``replays[b]``
         (the rows batched)."""
-        with Clock(timings_of(rows), "draft"):
-            states = [restore() for restore in restores]
-            for j in range(max((len(replay) for replay in replays), default=0)):
-                self._extend(states, [replay[j] if j < len(replay) else "" for replay in replays])
+        states = [restore() for restore in restores]
+        for j in range(max((len(replay) for replay in replays), default=0)):
+            self._extend(states, [replay[j] if j < len(replay) else "" for replay in replays])
         for row, state in zip(rows, states, strict=True):
             row.draft = state
 
+    @charged("draft")
     def read(self, rows: list[Row], texts: list[str]) -> list[int]:
         """Each row's draft reads its text (the target's step), in one prefill; returns the draft tokens
         each read."""
         states = [r.draft for r in rows]
         before = [len(state.ids) for state in states]
-        with Clock(timings_of(rows), "draft"):
-            self._extend(states, texts)
+        self._extend(states, texts)
         for row, state in zip(rows, states, strict=True):
             row.draft = state
         return [len(state.ids) - n for state, n in zip(states, before, strict=True)]

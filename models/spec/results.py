@@ -1,12 +1,14 @@
 """What every decoder returns: the steps (who wrote each, tokens per model, p, q, the acceptance draw)
-and the timings, and the ``Decoder`` protocol."""
+and the timings, the ``Decoder`` protocol, and ``charged``, which declares what a model call's time is."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from semspec.models.spec.grading import extract_answer
 from semspec.models.spec.settings import (
@@ -14,6 +16,7 @@ from semspec.models.spec.settings import (
 )
 
 StepCallback = Callable[["StepRecord"], None]  # called as each step is accepted or rewritten
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -121,21 +124,36 @@ class Decoder(Protocol):
         ...
 
 
-class Clock:
-    """Adds the elapsed time of a ``with`` block to one field of every given Timings (each row of a
-    batch waited for the whole batched call)."""
+def charged(phase: str) -> Callable[[F], F]:
+    """Declare what a method's (or function's) time is: its wall time is added to field ``phase`` of the
+    ``Timings`` of the rows it is given (its ``rows`` argument, or its ``row``), each row of a batched call
+    having waited for all of it. ``phase`` is a ``Timings`` field (``draft``, ``verify``, ``target``,
+    ``probe``), or ``role``: the call's ``role`` argument names it. Timing is declared on the few methods
+    that call a model, so the algorithm's code carries no clocks."""
 
-    def __init__(self, timings: Timings | list[Timings], name: str) -> None:
-        self.timings = timings if isinstance(timings, list) else [timings]
-        self.name = name
+    def wrap(fn: F) -> F:
+        sig = inspect.signature(fn)
+        which = "rows" if "rows" in sig.parameters else "row"
+        if which not in sig.parameters or (phase == "role" and "role" not in sig.parameters):
+            raise TypeError(f"@charged({phase!r}) needs a 'rows' or 'row' argument (and 'role' for role)")
 
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                bound = sig.bind_partial(*args, **kwargs).arguments
+                rows = bound[which] if which == "rows" else [bound[which]]
+                name = bound["role"] if phase == "role" else phase
+                for row in rows:
+                    tm = row.res.timings
+                    setattr(tm, name, getattr(tm, name) + dt)
 
-    def __exit__(self, *exc) -> None:
-        dt = time.perf_counter() - self.t0
-        for tm in self.timings:
-            setattr(tm, self.name, getattr(tm, self.name) + dt)
+        return timed  # type: ignore[return-value]
+
+    return wrap
 
 
 def finish_result(method: str, res: DecodeResult, t0: float, settings: DecodeSettings) -> DecodeResult:

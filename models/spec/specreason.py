@@ -13,11 +13,10 @@ from semspec.models.lm import (
 )
 from semspec.models.spec.batching import (
     Row,
-    timings_of,
 )
 from semspec.models.spec.draft_target import DraftTarget, Rewrite
 from semspec.models.spec.results import (
-    Clock,
+    charged,
 )
 from semspec.models.spec.settings import (
     DecodeSettings,
@@ -76,6 +75,11 @@ class SpecReasonDecoder(DraftTarget):
         self.draft, self.target, self.settings = draft, target, settings
         self.verifier = SpecReasonVerifier(target, instruction, lead)
 
+    @charged("verify")
+    def _rate(self, rows: list[Row], texts: list[str]) -> list[tuple[int, LMState, int]]:
+        """The verifier rates each row's step (``SpecReasonVerifier.rate``)."""
+        return self.verifier.rate([r.target for r in rows], texts)
+
     def _propose_and_judge(self, rows: list[Row]) -> list[Rewrite]:
         """One round: the draft writes a step per row, the target rates them (batched); returns the steps
         below the threshold, for the target to rewrite."""
@@ -88,8 +92,7 @@ class SpecReasonDecoder(DraftTarget):
         rated: dict[int, tuple[int, LMState, int]] = {}
         if idx:
             scored = [rows[b] for b in idx]
-            with Clock(timings_of(scored), "verify"):
-                out = self.verifier.rate([r.target for r in scored], [steps[b].text for b in idx])
+            out = self._rate(scored, [steps[b].text for b in idx])
             rated = dict(zip(idx, out, strict=True))
         rewrites = []
         for b, (row, step) in enumerate(zip(rows, steps, strict=True)):

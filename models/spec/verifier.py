@@ -22,8 +22,8 @@ from semspec.models.lm import (
     fits_window,
 )
 from semspec.models.spec import rules
-from semspec.models.spec.batching import Row, scored_room, timings_of
-from semspec.models.spec.results import Clock
+from semspec.models.spec.batching import Row, scored_room
+from semspec.models.spec.results import charged
 from semspec.models.spec.settings import DecodeSettings
 
 ProbeFn = Callable[[Pooled], float]  # pooled hidden states of a step -> semantic probability
@@ -82,8 +82,7 @@ class SemanticSpecVerifier:
                 scored.append(row)
         if not scored:
             return {}
-        with Clock(timings_of(scored), "verify"):
-            out = self.target.score_runs([r.target for r in scored], runs)
+        out = self._score_runs(scored, runs)
         for row, scores in zip(scored, out, strict=True):
             row.res.target_prefill_tokens += sum(len(sc.token_ids) for sc in scores)
         return {row.index: scores for row, scores in zip(scored, out, strict=True)}
@@ -97,28 +96,24 @@ class SemanticSpecVerifier:
         or with ``min_p`` ``p >= min_p``; with ``min_token_p``, a step so accepted is then rejected when the
         target gives one of its tokens a lower probability (one head pass over the accepted steps' positions).
         Returns each row's verdict."""
-        s, tms = self.settings, timings_of(rows)
+        s = self.settings
         restores = [r.target.checkpoint(scored_room(s, self.target)) for r in rows]
-        with Clock(tms, "probe"):
-            qs = probe_all(self.q_probe, [step.pooled for step in steps])
+        qs = self._probe(rows, self.q_probe, [step.pooled for step in steps])
         scores: list[StepScore | None] = [
             ahead_scores[r.index].pop(0) if ahead_scores.get(r.index) else None for r in rows
         ]
         idx = [b for b, step in enumerate(steps) if step.text and scores[b] is None]
         if idx:
             scored = [rows[b] for b in idx]
-            with Clock(timings_of(scored), "verify"):
-                out = self.target.score_steps([r.target for r in scored], [steps[b].text for b in idx])
-            for b, sc in zip(idx, out, strict=True):
+            for b, sc in zip(idx, self._score_steps(scored, [steps[b].text for b in idx]), strict=True):
                 scores[b] = sc
                 rows[b].res.target_prefill_tokens += len(sc.token_ids)
         have = [b for b, sc in enumerate(scores) if sc is not None]
         ps = [0.0] * len(rows)
         if have:
-            with Clock(timings_of([rows[b] for b in have]), "probe"):
-                pooled = [scores[b].pooled for b in have]
-                for b, p in zip(have, probe_all(self.p_probe, pooled), strict=True):
-                    ps[b] = p
+            pooled = [scores[b].pooled for b in have]
+            for b, p in zip(have, self._probe([rows[b] for b in have], self.p_probe, pooled), strict=True):
+                ps[b] = p
         accepts, whys = [], []
         for b, row in enumerate(rows):
             p, q, u = ps[b], qs[b], row.draw()  # u is drawn for every row, scored or not
@@ -141,8 +136,7 @@ class SemanticSpecVerifier:
         checked = [b for b, accept in enumerate(accepts) if accept]
         if not checked:
             return
-        with Clock(timings_of([rows[b] for b in checked]), "verify"):
-            self.target.read_tokens([scores[b] for b in checked])
+        self._read_tokens([rows[b] for b in checked], [scores[b] for b in checked])
         for b in checked:
             w = whys[b]
             w["tok"] = float(scores[b].token_p.min())
@@ -158,11 +152,38 @@ class SemanticSpecVerifier:
         the target's own greedy step token for token. Otherwise (or when the cache cannot be cropped)
         from the target's state before the step. The rewrite samples with the seed after its
         proposal's."""
-        tstate, budget, seed = row.target, row.step_budget(self.settings, self.target), row.next_seed() + 1
+        budget, seed = row.step_budget(self.settings, self.target), row.next_seed() + 1
         if self.settings.salvages and score is not None:
-            with Clock(row.res.timings, "target"):
-                keep = self.target.greedy_agreement(score)
-                start = self.target.resume_after(tstate, score, keep, budget, seed)
+            start, keep = self._resume(row, score, budget, seed)
             if start is not None:
                 return start, keep
         return StepStart(t_restore(), budget, seed), 0
+
+    # the model calls, and what their time is (``charged``)
+
+    @charged("probe")
+    def _probe(self, rows: list[Row], fn: ProbeFn, pooled: list[Pooled]) -> list[float]:
+        """A probe on the rows' pooled states (batched where it can)."""
+        return probe_all(fn, pooled)
+
+    @charged("verify")
+    def _score_runs(self, rows: list[Row], runs: list[list[str]]) -> list[list[StepScore]]:
+        """The target reads each row's run of steps on its cache, in one padded prefill."""
+        return self.target.score_runs([r.target for r in rows], runs)
+
+    @charged("verify")
+    def _score_steps(self, rows: list[Row], texts: list[str]) -> list[StepScore]:
+        """The target reads each row's step on its cache, in one padded prefill."""
+        return self.target.score_steps([r.target for r in rows], texts)
+
+    @charged("verify")
+    def _read_tokens(self, rows: list[Row], scores: list[StepScore]) -> None:
+        """The target's probabilities of the scored steps' tokens (one head pass), into the scores."""
+        self.target.read_tokens(scores)
+
+    @charged("target")
+    def _resume(self, row: Row, score: StepScore, budget: int, seed: int) -> tuple[StepStart | None, int]:
+        """The target's start after the prefix of a rejected step it agrees with, and that prefix's length
+        (None where the cache cannot be cropped there)."""
+        keep = self.target.greedy_agreement(score)
+        return self.target.resume_after(row.target, score, keep, budget, seed), keep

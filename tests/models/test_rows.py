@@ -50,3 +50,33 @@ def test_a_call_leaves_nothing_of_its_rows_behind(pair):
     with pytest.raises(StopIteration):
         failing.decode_batch(QUESTIONS, batch_size=3)
     assert not failing._owed, "a failed call's rows are released too"
+
+
+def test_charged_adds_a_call_s_time_to_each_row_it_was_given():
+    """``charged`` declares what a model call's time is: every row passed in waited for all of it; with
+    ``role`` the call's role argument names the phase; a function without rows cannot be charged."""
+    import time
+    from types import SimpleNamespace
+
+    from semspec.models.spec.results import Timings, charged
+
+    def row() -> SimpleNamespace:
+        return SimpleNamespace(res=SimpleNamespace(timings=Timings()))
+
+    @charged("verify")
+    def read(rows: list, pause: float) -> int:
+        time.sleep(pause)
+        return len(rows)
+
+    @charged("role")
+    def write(row: SimpleNamespace, role: str) -> None:
+        time.sleep(0.01)
+
+    a, b, c = row(), row(), row()
+    assert read([a, b], 0.02) == 2
+    assert a.res.timings.verify >= 0.02 and a.res.timings.verify == b.res.timings.verify
+    assert c.res.timings.verify == 0.0 and a.res.timings.draft == 0.0
+    write(c, role="draft")
+    assert c.res.timings.draft >= 0.01 and c.res.timings.target == 0.0
+    with pytest.raises(TypeError, match="rows"):
+        charged("draft")(lambda states: None)
