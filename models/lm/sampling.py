@@ -53,10 +53,14 @@ def draw(
     (B,) and their log-probs (B,)."""
     if len(gens) != ids.shape[0]:
         raise ValueError(f"one generator per row: {len(gens)} generators for {ids.shape[0]} rows")
-    cdf = logp.exp().cumsum(dim=-1)  # (B, K)
+    p = logp.exp()  # (B, K)
+    cdf = p.cumsum(dim=-1)  # (B, K)
     u = torch.stack([torch.rand((), generator=g) for g in gens]).to(cdf)  # (B,)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (B, 1)
-    pick = pick.clamp(max=ids.shape[1] - 1)
+    # u * total may round up to the total: keep the pick on the last candidate with mass, never on one
+    # outside the nucleus
+    last = (p > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)  # (B, 1)
+    pick = torch.minimum(pick, last)
     return ids.gather(1, pick)[:, 0], logp.gather(1, pick)[:, 0]
 
 

@@ -53,6 +53,15 @@ def test_draws_follow_the_nucleus_distribution() -> None:
     torch.testing.assert_close(freq[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.03, rtol=0)
 
 
+def test_a_draw_at_the_top_of_the_cdf_stays_inside_the_nucleus(monkeypatch) -> None:
+    """A uniform draw times the nucleus' mass can round up to the mass itself: the pick is then the last
+    kept candidate, not one outside the nucleus (whose log-prob is -inf)."""
+    ids, logp = nucleus(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), 1.0, 0.9)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))  # the extreme of rounding
+    tok, lp = draw(ids, logp, [torch.Generator()])
+    assert int(tok[0]) == 2 and torch.isfinite(lp).all()
+
+
 def test_draws_are_reproducible_per_row_generator() -> None:
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
     runs = []
