@@ -21,10 +21,10 @@ From the pooled ``(L+1, D)`` matrix (embeddings + L blocks) we keep:
 Generation and prefill pool over the same positions, so the same text gives the same vector.
 
 The package: ``types`` (the values above and the decode loop's inputs and outputs), ``cache`` (window
-checks, cropping, stacking per-row caches), ``adapter`` (``LM``, which combines the mixins ``text``:
-prompts and tokenization, ``forward``: forwards, prefill and extend, ``scoring``: scoring steps, greedy
-agreement and resume, and ``step_decoding``: step sampling and decode runs), ``step_loop`` (the batched
-decode loop) and ``loading`` (``load_lm`` and the cache of converted GGUF files). Everything callers use is
+checks, cropping, stacking per-row caches), ``adapter`` (``LM``, which holds four parts, each given what
+it reads: ``text.Text``: prompts and tokenization; ``forward.Forwards``: forwards, prefill and extend;
+``scoring.Scorer``: scoring steps, greedy agreement and resume; ``step_decoding.StepWriter``: step sampling
+and decode runs), ``step_loop`` (the batched decode loop) and ``loading`` (``load_lm`` and the cache of converted GGUF files). Everything callers use is
 importable from ``semspec.models.lm``.
 """
 

@@ -1,45 +1,120 @@
-"""``LM``: a causal LM and its tokenizer as the decoders and stages use it. Its methods are grouped by job
-in mixins: ``text`` (prompts, encoding, where a step ends), ``forward`` (forwards, prefill, extend),
-``scoring`` (scoring steps, greedy agreement, resume) and ``step_decoding`` (step sampling; the loop itself
-is ``step_loop``); ``LM`` combines them and holds the model, the tokenizer and the state they share."""
+"""``LM``: a causal LM and its tokenizer as the decoders and stages use it, composed of four parts with
+explicit dependencies: ``text`` (``Text``: prompts, encoding, where a step ends), ``forwards``
+(``Forwards``: forwards, prefill, extend; reads ``text``), ``scorer`` (``Scorer``: scoring steps, greedy
+agreement, resume; reads both) and ``writer`` (``StepWriter``: step sampling, whose loop is ``step_loop``;
+reads both). ``LM``'s calls are its parts' methods (``_PartCall``), so a caller needs no part's name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
 
 from semspec.models.cpu import attention, decode_layer, int4_kernel, int8_kernel
 from semspec.models.cpu.formats import Format, resolve_format
-from semspec.models.lm.forward import ForwardMixin
+from semspec.models.lm.forward import Forwards
 from semspec.models.lm.pair import ModelConfig
-from semspec.models.lm.scoring import ScoringMixin
-from semspec.models.lm.step_decoding import StepDecodingMixin
-from semspec.models.lm.text import TextMixin
+from semspec.models.lm.scoring import Scorer
+from semspec.models.lm.step_decoding import StepWriter
+from semspec.models.lm.text import Text
 
 
-class LM(TextMixin, ForwardMixin, ScoringMixin, StepDecodingMixin):
-    """A causal LM plus its tokenizer, with step-level sampling and hidden-state pooling."""
+class _PartCall:
+    """A call of ``LM`` that is one of its parts' methods, looked up on the part at each use: ``lm.encode``
+    is ``lm.text.encode`` (so what replaces a part's method, a test's spy included, serves every caller)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, lm: Any, owner: type | None = None) -> Any:
+        return self if lm is None else getattr(getattr(lm, self.part), self.name)
+
+
+class LM:
+    """A causal LM plus its tokenizer, with step-level sampling and hidden-state pooling. ``fmt`` is what
+    the model runs in (``load_lm`` resolves and applies it, and installs its kernels; a model built in
+    memory: its dtype)."""
 
     def __init__(
         self, model: PreTrainedModel, tokenizer, model_cfg: ModelConfig, fmt: Format | None = None
     ) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
         self.config = model_cfg
-        self.device = next(model.parameters()).device  # its kernels are the loader's (install_kernels)
-        # what the model runs in (``load_lm`` resolves and applies it; a model built in memory: its dtype)
-        self.format: Format = fmt or _dense_format(model)
-        text_cfg = model.config.get_text_config()
-        self.num_layers: int = int(text_cfg.num_hidden_layers)
-        self.hidden_size: int = int(text_cfg.hidden_size)
-        self.eos_ids: set[int] = _eos_ids(model, tokenizer)
+        self.text = Text(tokenizer, model_cfg, _eos_ids(model, tokenizer))
+        self.forwards = Forwards(model, self.text, fmt or _dense_format(model))
+        self.scorer = Scorer(self.text, self.forwards)
+        self.writer = StepWriter(self.text, self.forwards)
         self.load_seconds: float = 0.0
-        # an empty cache of this model's layer types, built once: its sliding windows bound padded batches
-        self.cache_layout = DynamicCache(config=model.config)
-        self._check_delimiter()
-        window = getattr(text_cfg, "max_position_embeddings", None)
-        self.context_window: int | None = int(window) if window else None  # positions the model was built for
+
+    # the calls, each its part's: one object does each job, the LM names them
+    # text
+    uses_chat_template = _PartCall("text")
+    format_prompt = _PartCall("text")
+    next_turn = _PartCall("text")
+    encode = _PartCall("text")
+    continuation_ids = _PartCall("text")
+    plain_ids = _PartCall("text")
+    check_stop = _PartCall("text")
+    # forwards
+    forward = _PartCall("forwards")
+    head = _PartCall("forwards")
+    forward_rows = _PartCall("forwards")
+    prefill = _PartCall("forwards")
+    prefill_many = _PartCall("forwards")
+    extend = _PartCall("forwards")
+    extend_many = _PartCall("forwards")
+    # scorer
+    score_step = _PartCall("scorer")
+    score_steps = _PartCall("scorer")
+    score_runs = _PartCall("scorer")
+    read_tokens = _PartCall("scorer")
+    greedy_agreement = _PartCall("scorer")
+    resume_after = _PartCall("scorer")
+    # writer
+    generate_step = _PartCall("writer")
+    generate_steps = _PartCall("writer")
+    decode_steps = _PartCall("writer")
+    decode_runs = _PartCall("writer")
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The Hugging Face model."""
+        return self.forwards.model
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer."""
+        return self.text.tokenizer
+
+    @property
+    def format(self) -> Format:
+        """What the model runs in."""
+        return self.forwards.format
+
+    @property
+    def device(self) -> torch.device:
+        return self.forwards.device
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.text.eos_ids
+
+    @property
+    def num_layers(self) -> int:
+        return self.forwards.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.forwards.hidden_size
+
+    @property
+    def context_window(self) -> int | None:
+        """Positions the model was built for (None: not stated)."""
+        return self.forwards.context_window
 
     @property
     def model_id(self) -> str:

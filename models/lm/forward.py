@@ -1,5 +1,6 @@
-"""The forward passes of ``LM``: one forward (the decode kernel's path for unpadded rows), the output head,
-many rows with their own caches in one padded forward, and prefill / extend of contexts built on them."""
+"""The forward passes of ``LM`` (``Forwards``): one forward (the decode kernel's path for unpadded rows), the
+output head, many rows with their own caches in one padded forward, and prefill / extend of contexts built
+on them."""
 
 from __future__ import annotations
 
@@ -10,19 +11,28 @@ from transformers.cache_utils import Cache, DynamicCache
 from semspec.models.cpu import decode_layer
 from semspec.models.cpu.formats import Format
 from semspec.models.lm.cache import row_cache, stack_caches, stackable
+from semspec.models.lm.text import Text
 from semspec.models.lm.types import LMState
 
 
-class ForwardMixin:
-    """``LM``'s forwards, prefill and extend; a row's cache is always its own."""
+class Forwards:
+    """A model's forwards, prefill and extend; a row's cache is always its own. ``text`` tokenizes the
+    contexts prefill and extend are given; ``fmt`` is what the model runs in (its kernels are the loader's,
+    ``install_kernels``)."""
 
-    # set by ``LM.__init__``
-    model: PreTrainedModel
-    device: torch.device
-    format: Format
-    context_window: int | None
-    cache_layout: DynamicCache
-    model_id: str
+    def __init__(self, model: PreTrainedModel, text: Text, fmt: Format) -> None:
+        self.model = model.eval()
+        self.text = text
+        self.format = fmt
+        self.model_id = text.model_id
+        self.device = next(model.parameters()).device
+        text_cfg = model.config.get_text_config()
+        self.num_layers: int = int(text_cfg.num_hidden_layers)
+        self.hidden_size: int = int(text_cfg.hidden_size)
+        # an empty cache of this model's layer types, built once: its sliding windows bound padded batches
+        self.cache_layout = DynamicCache(config=model.config)
+        window = getattr(text_cfg, "max_position_embeddings", None)
+        self.context_window: int | None = int(window) if window else None  # positions the model was built for
 
     @torch.inference_mode()
     def forward(
@@ -140,7 +150,7 @@ class ForwardMixin:
 
     def prefill_many(self, texts: list[str]) -> list[LMState]:
         """Cache each full context in ``texts``, all in one padded forward."""
-        ids = [self.encode(text) for text in texts]
+        ids = [self.text.encode(text) for text in texts]
         if any(not row for row in ids):
             raise ValueError("cannot prefill an empty context")
         for row in ids:
@@ -170,7 +180,7 @@ class ForwardMixin:
     ) -> list[tuple[LMState, list[int], torch.Tensor, torch.Tensor]]:
         """``extend`` for many rows in one padded forward; each row's cache is its own."""
         new_ids = [
-            self.continuation_ids(st.text, st.ids, text) for st, text in zip(states, texts, strict=True)
+            self.text.continuation_ids(st.text, st.ids, text) for st, text in zip(states, texts, strict=True)
         ]
         if any(not ids for ids in new_ids):
             raise ValueError("cannot extend a context by an empty string")

@@ -4,21 +4,21 @@ greedy decoding after the leading tokens the model agrees with."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from semspec.models.lm.cache import crop_to, fits_window
-from semspec.models.lm.pair import ModelConfig
+from semspec.models.lm.forward import Forwards
+from semspec.models.lm.text import Text
 from semspec.models.lm.types import LMState, Pooled, StepSample, StepScore, StepStart
 
 
-class ScoringMixin:
-    """``LM``'s scoring, greedy agreement and resume (built on ``ForwardMixin``'s forwards)."""
+class Scorer:
+    """A model's scoring, greedy agreement and resume, built on its ``Forwards`` (the pooling is the model
+    config's, read through ``text``)."""
 
-    # set by ``LM.__init__``
-    config: ModelConfig
-    tokenizer: Any
+    def __init__(self, text: Text, forwards: Forwards) -> None:
+        self.text = text
+        self.forwards = forwards
 
     def score_step(
         self, context: str | LMState, step_text: str, inplace: bool = False, logprobs: bool = True
@@ -31,7 +31,7 @@ class ScoringMixin:
         the last position), which is all a verifier needs.
         """
         if isinstance(context, str):
-            base = self.prefill(context)
+            base = self.forwards.prefill(context)
         else:
             base = context if inplace else context.clone()
         return self.score_steps([base], [step_text], logprobs)[0]
@@ -61,18 +61,20 @@ class ScoringMixin:
         for st, run in zip(states, runs, strict=True):
             text, ids, row_ends = st.text, list(st.ids), []
             for step in run:
-                new = self.continuation_ids(text, ids, step)
+                new = self.text.continuation_ids(text, ids, step)
                 if not new:
                     raise ValueError("cannot score an empty step")
                 text, ids = text + step, ids + new
                 row_ends.append(len(ids) - len(st.ids))
             new_ids.append(ids[len(st.ids) :])
             ends.append(row_ends)
-        outs = self.forward_rows([st.cache for st in states], new_ids, logprobs)
+        outs = self.forwards.forward_rows([st.cache for st in states], new_ids, logprobs)
         # the outputs at each step's last token but the run's last predict the next step: one head call
         # for every such position of every row (the forward computed the run's last only)
         inner = [outs[b][1][e - 1, -1] for b, row_ends in enumerate(ends) for e in row_ends[:-1]]
-        mid_logits = iter(self.head(torch.stack(inner)) if inner and not logprobs else [])  # (len(inner), V)
+        mid_logits = iter(
+            self.forwards.head(torch.stack(inner)) if inner and not logprobs else []
+        )  # (len(inner), V)
         scores = []
         for st, run, row_ends, ids, (logits, hidden, cache) in zip(
             states, runs, ends, new_ids, outs, strict=True
@@ -91,7 +93,7 @@ class ScoringMixin:
                 else:
                     end_logits = logits[-1] if j == len(run) - 1 else next(mid_logits)
                 text, prev_logits, prev_hidden = text + step, end_logits, seg[-1]
-                pooled = Pooled((seg if self.config.pooling == "tokens" else pos_hidden).mean(dim=0))
+                pooled = Pooled((seg if self.text.config.pooling == "tokens" else pos_hidden).mean(dim=0))
                 state = LMState(text, st.ids + ids[:end], cache, end_logits, seg[-1])
                 out.append(StepScore(pooled, new, lp, state, pos_hidden))
                 at = end
@@ -107,7 +109,7 @@ class ScoringMixin:
         todo = [sc for sc in scores if sc.token_p is None and sc.pred_hidden is not None and sc.token_ids]
         if not todo:
             return
-        logits = self.head(torch.cat([sc.pred_hidden[:, -1] for sc in todo]))  # (sum k, V) float32
+        logits = self.forwards.head(torch.cat([sc.pred_hidden[:, -1] for sc in todo]))  # (sum k, V) float32
         ids = torch.tensor([t for sc in todo for t in sc.token_ids])  # (sum k,)
         token_p = (logits.gather(1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()  # (sum k,)
         greedy = logits.argmax(-1)  # (sum k,)
@@ -139,13 +141,13 @@ class ScoringMixin:
         if score.pred_hidden is None or not fits_window(st.cache, len(st.ids)):
             return None
         at = score.pred_hidden  # (k, L+1, D): the pooled positions of the scored step, as it pools
-        if self.config.pooling == "tokens":
+        if self.text.config.pooling == "tokens":
             at = torch.cat([score.pred_hidden[1:], st.hidden[None]])  # outputs at the step's own tokens
         # 1. the kept tokens may already end the step (a delimiter, EOS, the budget)
         for i in range(1, min(keep, max_tokens) + 1):
-            done = self.check_stop(ids[:i])
+            done = self.text.check_stop(ids[:i])
             if done is not None or i == max_tokens:
-                text, reason = done or (self.tokenizer.decode(ids[:i], skip_special_tokens=True), "length")
+                text, reason = done or (self.text.decode(ids[:i]), "length")
                 crop_to(st.cache, n + i - 1)
                 sample = StepSample(text, ids[:i], reason, Pooled(at[:i].mean(0)), 0.0)
                 return StepStart(
@@ -159,7 +161,7 @@ class ScoringMixin:
         crop_to(st.cache, n + keep)
         if keep < len(score.token_ids):
             hidden = score.pred_hidden[keep]  # (L+1, D)
-            logits = self.head(hidden[-1][None])[0]  # (V,)
+            logits = self.forwards.head(hidden[-1][None])[0]  # (V,)
         else:
             logits, hidden = st.logits, st.hidden
         return StepStart(

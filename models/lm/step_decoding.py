@@ -5,23 +5,24 @@ each row's context after its last step."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from semspec.models.lm.cache import crop_to
-from semspec.models.lm.pair import ModelConfig
+from semspec.models.lm.forward import Forwards
 from semspec.models.lm.step_loop import LoopRun, check_sampling, generator, sample_rows
+from semspec.models.lm.text import Text
 from semspec.models.lm.types import LMState, NextBudget, StepSample, StepStart
 
 
-class StepDecodingMixin:
-    """``LM``'s decode calls: ``generate_step``, ``decode_steps``, ``decode_runs`` and their helpers."""
+class StepWriter:
+    """A model's decode calls: ``generate_step(s)``, ``decode_steps``, ``decode_runs`` and their helpers,
+    built on its ``Forwards`` (``step_loop`` runs the loop; ``text`` says where a step ends)."""
 
-    # set by ``LM.__init__``
-    config: ModelConfig
-    tokenizer: Any
+    def __init__(self, text: Text, forwards: Forwards) -> None:
+        self.text = text
+        self.forwards = forwards
 
     def generate_step(
         self,
@@ -59,12 +60,12 @@ class StepDecodingMixin:
         if len(seeds) != len(contexts):
             raise ValueError(f"one seed per context: {len(seeds)} seeds for {len(contexts)} contexts")
         check_sampling(temperature, top_p)
-        max_tokens = self.config.max_step_tokens if max_tokens is None else max_tokens
+        max_tokens = self.text.config.max_step_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         starts, gens = [], []
         for context, seed in zip(contexts, seeds, strict=True):
-            state = self.prefill(context) if isinstance(context, str) else context
+            state = self.forwards.prefill(context) if isinstance(context, str) else context
             gen = generator(seed)
             for _ in range(n):
                 copied = LMState(
@@ -72,7 +73,7 @@ class StepDecodingMixin:
                 )
                 starts.append(StepStart(state, max_tokens, state=copied))
                 gens.append(gen)
-        runs = sample_rows(self, starts, temperature, top_p, gens)
+        runs = sample_rows(self.text, self.forwards, starts, temperature, top_p, gens)
         samples = [run.samples[0] for run in runs]
         self._close_pooling(samples, [run.cache for run in runs])
         return [samples[i * n : (i + 1) * n] for i in range(len(contexts))]
@@ -83,7 +84,9 @@ class StepDecodingMixin:
         owed = [b for b, s in enumerate(samples) if s.owed is not None]
         if not owed:
             return
-        fed = self.forward_rows([caches[b] for b in owed], [[samples[b].token_ids[-1]] for b in owed])
+        fed = self.forwards.forward_rows(
+            [caches[b] for b in owed], [[samples[b].token_ids[-1]] for b in owed]
+        )
         for b, (_, hidden, _) in zip(owed, fed, strict=True):
             samples[b].close_pooling(hidden[-1])  # (L+1, D) at the step's last token
 
@@ -137,7 +140,9 @@ class StepDecodingMixin:
         live = [i for i, st in enumerate(starts) if st.done is None]
         sub = None if more is None else (lambda b, done: more(live[b], done))
         gens = [starts[i].partial.gen if starts[i].partial else generator(starts[i].seed) for i in live]
-        sampled = sample_rows(self, [starts[i] for i in live], temperature, top_p, gens, min_steps, sub)
+        sampled = sample_rows(
+            self.text, self.forwards, [starts[i] for i in live], temperature, top_p, gens, min_steps, sub
+        )
         for i, run in zip(live, sampled, strict=True):
             runs[i] = run
         return runs
@@ -197,7 +202,7 @@ class StepDecodingMixin:
         if not take:
             return starts
         out = list(starts)
-        fed = self.forward_rows(
+        fed = self.forwards.forward_rows(
             [starts[i].context.cache for i in take], [starts[i].context.partial.tokens for i in take]
         )
         for i, (logits, hidden, cache) in zip(take, fed, strict=True):
@@ -216,10 +221,7 @@ class StepDecodingMixin:
         out: list[LMState | None] = [None] * len(samples)
         feed, refill = [], []
         for i, (ctx, s, cache) in enumerate(zip(contexts, samples, caches, strict=True)):
-            exact = (
-                s.finish_reason != "eos"
-                and self.tokenizer.decode(s.token_ids, skip_special_tokens=True) == s.text
-            )
+            exact = s.finish_reason != "eos" and self.text.decode(s.token_ids) == s.text
             if exact:
                 feed.append(i)
                 continue
@@ -228,7 +230,7 @@ class StepDecodingMixin:
             if s.text:
                 refill.append(i)
         fed = (
-            self.forward_rows([caches[i] for i in feed], [[samples[i].token_ids[-1]] for i in feed])
+            self.forwards.forward_rows([caches[i] for i in feed], [[samples[i].token_ids[-1]] for i in feed])
             if feed
             else []
         )
@@ -236,7 +238,7 @@ class StepDecodingMixin:
             ctx, s = contexts[i], samples[i]
             out[i] = LMState(ctx.text + s.text, ctx.ids + s.token_ids, cache, logits[-1], hidden[-1])
         if refill:
-            extended = self.extend_many([out[i] for i in refill], [samples[i].text for i in refill])
+            extended = self.forwards.extend_many([out[i] for i in refill], [samples[i].text for i in refill])
             for i, ext in zip(refill, extended, strict=True):
                 out[i] = ext[0]
         return list(zip(samples, out, strict=True))

@@ -12,39 +12,15 @@ on, feeds them, and cuts a leaving row's own cache out of the shared one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 
 from semspec.models.lm.cache import row_cache, stack_caches, stackable
-from semspec.models.lm.pair import ModelConfig
+from semspec.models.lm.forward import Forwards
 from semspec.models.lm.sampling import sample_tokens
+from semspec.models.lm.text import Text
 from semspec.models.lm.types import NextBudget, Partial, Pooled, StepSample, StepStart, pool_tokens
-
-
-class LM(Protocol):
-    """What the loop reads of the model it runs (``models/lm/adapter.LM`` is one): its sizes, its config
-    (the pooling), its tokenizer and stop check, its forward and the cache layout padded batches keep."""
-
-    model: PreTrainedModel
-    config: ModelConfig
-    tokenizer: Any
-    num_layers: int
-    hidden_size: int
-    cache_layout: DynamicCache
-
-    def check_stop(self, toks: list[int]) -> tuple[str, str] | None: ...
-
-    def forward(
-        self,
-        ids: torch.Tensor,
-        cache: Cache | None,
-        all_logits: bool = False,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, Cache]: ...
 
 
 @dataclass
@@ -67,13 +43,22 @@ def for_row(more: NextBudget | None, i: int) -> NextBudget | None:
 class _LiveRow:
     """Row ``index`` of the loop while it samples the step under way (see the module notes)."""
 
-    def __init__(self, index: int, start: StepStart, gen: torch.Generator, lm: LM, length: int, pad: int):
-        shape = (lm.num_layers + 1, lm.hidden_size)
+    def __init__(
+        self,
+        index: int,
+        start: StepStart,
+        gen: torch.Generator,
+        forwards: Forwards,
+        pooling: str,
+        length: int,
+        pad: int,
+    ):
+        shape = (forwards.num_layers + 1, forwards.hidden_size)
         self.index, self.start, self.gen, self.length, self.pad = index, start, gen, length, pad
         self.tokens, self.plen, self.budget = list(start.prefix), len(start.prefix), start.max_tokens
         self.hsum = torch.zeros(shape)  # (L+1, D): outputs at the positions predicting the step's tokens
         # ``tokens`` pooling: (L+1, D) the output predicting the step's first token, which it leaves out
-        self.hfirst = torch.zeros(shape) if lm.config.pooling == "tokens" else None
+        self.hfirst = torch.zeros(shape) if pooling == "tokens" else None
         self.lp_sum = torch.zeros(())  # float32: the step's summed log-probabilities
         self.run = LoopRun([])
         if start.partial is not None:  # go on with a step an earlier loop began: its tokens count
@@ -89,16 +74,18 @@ class _LiveRow:
         if self.hfirst is not None and len(self.tokens) == self.plen:
             self.hfirst = hidden.clone()
 
-    def take(self, token: int, lp: torch.Tensor, lm: LM) -> StepSample | None:
+    def take(self, token: int, lp: torch.Tensor, text: Text) -> StepSample | None:
         """Append a sampled token (log-probability ``lp``); the step when it ends here, else None."""
         self.tokens.append(token)
         self.lp_sum += lp
-        done = lm.check_stop(self.tokens)
+        done = text.check_stop(self.tokens)
         count = len(self.tokens) - self.plen
         if done is None and count < self.budget:
             return None
-        text, reason = done or (lm.tokenizer.decode(self.tokens, skip_special_tokens=True), "length")
-        sample = StepSample(text, self.tokens, reason, Pooled(self.hsum / max(1, count)), float(self.lp_sum))
+        written, reason = done or (text.decode(self.tokens), "length")
+        sample = StepSample(
+            written, self.tokens, reason, Pooled(self.hsum / max(1, count)), float(self.lp_sum)
+        )
         if self.hfirst is not None:
             pool_tokens(sample, self.hsum - self.hfirst, count)
         self.run.samples.append(sample)
@@ -132,15 +119,16 @@ class _LiveRow:
 class _Batch:
     """The loop's padded batch (see the module notes)."""
 
-    def __init__(self, lm: LM, starts: list[StepStart], gens: list[torch.Generator]) -> None:
+    def __init__(self, text: Text, forwards: Forwards, starts: list[StepStart], gens: list[torch.Generator]):
         caches = [st.source.cache for st in starts]
         lens = [c.get_seq_length() for c in caches]
-        self.lm, self.width, self.fed, self.stacked = lm, max(lens), 0, len(starts) > 1
-        self.cache = stack_caches(lm.model.config, caches, lens, self.width) if self.stacked else caches[0]
+        self.forwards, self.width, self.fed, self.stacked = forwards, max(lens), 0, len(starts) > 1
+        self.hf_config = forwards.model.config
+        self.cache = stack_caches(self.hf_config, caches, lens, self.width) if self.stacked else caches[0]
         self.logits = torch.stack([st.source.logits for st in starts])  # (B, V)
         self.hidden = torch.stack([st.source.hidden for st in starts])  # (B, L+1, D)
         self.all = [
-            _LiveRow(i, st, g, lm, n, self.width - n)
+            _LiveRow(i, st, g, forwards, text.config.pooling, n, self.width - n)
             for i, (st, g, n) in enumerate(zip(starts, gens, lens, strict=True))
         ]
         self.rows = list(self.all)  # the live rows, in batch order
@@ -154,9 +142,7 @@ class _Batch:
         """Batch row ``b`` leaves: its own cache holds its context, prefix and sampled tokens but the last."""
         row = self.rows[b]
         end = self.width + self.fed
-        row.run.cache = (
-            row_cache(self.lm.model.config, self.cache, b, row.pad, end) if self.stacked else self.cache
-        )
+        row.run.cache = row_cache(self.hf_config, self.cache, b, row.pad, end) if self.stacked else self.cache
 
     def select(self, keep: list[int], nxt: torch.Tensor) -> torch.Tensor:
         """Keep batch rows ``keep`` (sorted) in the cache and the batch; returns their tokens of ``nxt``."""
@@ -173,7 +159,7 @@ class _Batch:
             pads = torch.tensor([row.pad for row in self.rows])[:, None]  # (B, 1)
             mask = (torch.arange(self.width + self.fed + 1)[None] >= pads).long()  # (B, width + fed + 1)
             pos = torch.tensor([row.length + self.fed for row in self.rows])[:, None]  # (B, 1)
-        logits, hidden, self.cache = self.lm.forward(nxt[:, None], self.cache, False, mask, pos)
+        logits, hidden, self.cache = self.forwards.forward(nxt[:, None], self.cache, False, mask, pos)
         self.logits, self.hidden = logits[:, -1], hidden[:, -1]  # (B, V), (B, L+1, D)
         self.fed += 1
 
@@ -187,7 +173,8 @@ class _Batch:
 
 
 def sample_rows(
-    lm: LM,
+    text: Text,
+    forwards: Forwards,
     starts: list[StepStart],
     temperature: float,
     top_p: float,
@@ -195,24 +182,24 @@ def sample_rows(
     min_steps: int = 1,
     more: NextBudget | None = None,
 ) -> list[LoopRun]:
-    """The batched decode loop of ``lm``: every row samples until its own stop, the finished ones leave the
-    batch (or, see ``LM.decode_runs``, go on with their next step). Row caches are stacked left-padded for
+    """The batched decode loop of a model (``forwards`` runs it, ``text`` says where a step ends): every row
+    samples until its own stop, the finished ones leave the batch (or, see ``StepWriter.decode_runs``, go on with their next step). Row caches are stacked left-padded for
     the loop (or, when they cannot be, rows run one after another); each row gets back its own cache
     holding its context, prefix and sampled tokens but the last. Pooled states cover the positions
     predicting each step's newly sampled tokens, or with ``tokens`` pooling those tokens' own (a step
     that ends the loop owes its last one: ``StepSample.owed``)."""
     if not starts:
         return []
-    if len(starts) > 1 and not _can_stack(lm, starts, min_steps):
+    if len(starts) > 1 and not _can_stack(forwards, starts, min_steps):
         return [
-            sample_rows(lm, [st], temperature, top_p, [g], min_steps, for_row(more, i))[0]
+            sample_rows(text, forwards, [st], temperature, top_p, [g], min_steps, for_row(more, i))[0]
             for i, (st, g) in enumerate(zip(starts, gens, strict=True))
         ]
-    batch = _Batch(lm, starts, gens)
+    batch = _Batch(text, forwards, starts, gens)
     while True:
         batch.pool()
         nxt, lp = sample_tokens(batch.logits, [r.gen for r in batch.rows], temperature, top_p)  # (B,), (B,)
-        going, turning, leaving = _classify(lm, batch.rows, nxt, lp, more)
+        going, turning, leaving = _classify(text, batch.rows, nxt, lp, more)
         if not any(batch.rows[b].owes(min_steps) for b in going + list(turning)):
             for b in going:  # nobody owes a step: the loop ends, lookahead steps under way are set aside
                 batch.rows[b].set_aside()
@@ -230,27 +217,27 @@ def sample_rows(
         batch.mark_boundaries(turned)
 
 
-def _can_stack(lm: LM, starts: list[StepStart], min_steps: int) -> bool:
+def _can_stack(forwards: Forwards, starts: list[StepStart], min_steps: int) -> bool:
     """Whether the rows' caches can share one padded batch for the whole loop: it runs at most
     ``min_steps`` budgets (budgets never grow)."""
     caches = [st.source.cache for st in starts]
     width = max(c.get_seq_length() for c in caches)
-    return stackable(caches, lm.cache_layout, width + min_steps * max(st.max_tokens for st in starts))
+    return stackable(caches, forwards.cache_layout, width + min_steps * max(st.max_tokens for st in starts))
 
 
 def _classify(
-    lm: LM, rows: list[_LiveRow], nxt: torch.Tensor, lp: torch.Tensor, more: NextBudget | None
+    text: Text, rows: list[_LiveRow], nxt: torch.Tensor, lp: torch.Tensor, more: NextBudget | None
 ) -> tuple[list[int], dict[int, int], list[int]]:
     """Each live row takes its sampled token: batch rows still in their step, rows on to a next step in
     this loop (-> that step's budget, from ``more``), and rows leaving. A next step continues the cache as
     is only when the finished step is exactly its tokens."""
     going, turning, leaving = [], {}, []
     for b, row in enumerate(rows):
-        sample = row.take(int(nxt[b]), lp[b], lm)
+        sample = row.take(int(nxt[b]), lp[b], text)
         if sample is None:
             going.append(b)
             continue
-        budget = more(row.index, row.run.samples) if more is not None and _exact(lm, sample) else None
+        budget = more(row.index, row.run.samples) if more is not None and _exact(text, sample) else None
         if budget is None or budget < 1:
             leaving.append(b)
         else:
@@ -258,13 +245,13 @@ def _classify(
     return going, turning, leaving
 
 
-def _exact(lm: LM, sample: StepSample) -> bool:
+def _exact(text: Text, sample: StepSample) -> bool:
     """Whether a step's text is exactly what its tokens decode to (no EOS, no delimiter cut inside a token)."""
     if sample.finish_reason == "eos" or not sample.text:
         return False
     if sample.finish_reason == "length":  # its text is its tokens decoded
         return True
-    return lm.tokenizer.decode(sample.token_ids, skip_special_tokens=True) == sample.text
+    return text.decode(sample.token_ids) == sample.text
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

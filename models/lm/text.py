@@ -1,8 +1,9 @@
-"""The text side of ``LM``: the delimiter check, prompts (a question, messages or a raw prompt in the
-pair's template), token ids of a context and of a continuation, and where a step's tokens end it."""
+"""The text side of ``LM`` (``Text``): the delimiter check, prompts (a question, messages or a raw prompt in
+the pair's template), token ids of a context and of a continuation, and where a step's tokens end it."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from semspec.models.lm.pair import ModelConfig
@@ -10,18 +11,20 @@ from semspec.models.lm.prompts import ControlTokens, Prompt, RawPrompt, check_me
 from semspec.models.spec.steps import step_end
 
 
-class TextMixin:
-    """``LM``'s prompts and tokenization: everything here reads the tokenizer and the model config only."""
+class Text:
+    """A model's prompts and tokenization: everything here reads the tokenizer and the model config only.
+    ``eos_ids`` are the token ids that end a reply (the generation config's and the tokenizer's)."""
 
-    # set by ``LM.__init__``
-    tokenizer: Any
-    config: ModelConfig
-    eos_ids: set[int]
-    model_id: str
+    def __init__(self, tokenizer: Any, model_cfg: ModelConfig, eos_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.config = model_cfg
+        self.eos_ids = eos_ids
+        self.model_id = model_cfg.model_id
+        self.check_delimiter()
 
-    def _check_delimiter(self) -> None:
-        """The step delimiter must survive this tokenizer (encoded, then decoded); otherwise no step
-        would ever end at it and every step would run to its token budget."""
+    def check_delimiter(self) -> None:
+        """Refuse a tokenizer that cannot write the step delimiter (encoded, then decoded): no step would
+        ever end at it and every step would run to its token budget."""
         mark = self.config.delimiter if self.config.split == "paragraph" else ". "
         ids = self.tokenizer.encode(f"a{mark}b", add_special_tokens=False)
         if mark not in self.tokenizer.decode(ids, skip_special_tokens=True):
@@ -55,7 +58,7 @@ class TextMixin:
             messages = [{"role": "user", "content": question.strip()}]
         else:
             messages = check_messages(question)
-        specials = self._control_tokens()
+        specials = self.control_tokens
         messages = [{**m, "content": neutralize(m["content"], specials)} for m in messages]
         if not self.uses_chat_template():
             return plain_chat(messages, self.config.plain_template)
@@ -69,16 +72,13 @@ class TextMixin:
         except Exception as e:  # jinja's TemplateError: the template's own rules (alternating roles, ...)
             raise ValueError(f"{self.model_id}'s chat template refuses these messages: {e}") from None
 
-    def _control_tokens(self) -> ControlTokens:
+    @cached_property
+    def control_tokens(self) -> ControlTokens:
         """Every special or added token string of the tokenizer, indexed once per model."""
-        index = self.__dict__.get("_control_index")
-        if index is None:
-            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            # every added token, flagged special or not (Gemma's <start_of_image> is not): each reaches the
-            # model as its own id when its string appears in text
-            specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added.values())}
-            index = self.__dict__["_control_index"] = ControlTokens(specials)
-        return index
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        # every added token, flagged special or not (Gemma's <start_of_image> is not): each reaches the
+        # model as its own id when its string appears in text
+        return ControlTokens({*self.tokenizer.all_special_tokens, *(t.content for t in added.values())})
 
     def next_turn(self, instruction: str, reply_start: str) -> str:
         """The text that closes the assistant's turn, asks ``instruction`` as a new user turn and opens
@@ -108,7 +108,7 @@ class TextMixin:
         """Ids of ``new_text`` as it tokenizes after ``prev_text`` (falls back to standalone tokenization
         when the boundary would merge tokens with the cached context). Control-token strings in
         ``new_text`` (a model's own text, or a user's prefilled reply) are read as plain characters."""
-        if hits := self._control_tokens().find(new_text):
+        if hits := self.control_tokens.find(new_text):
             # model text that spells a control token stays plain text: each such string is read in two
             # pieces, so it never becomes the control id (split_special_tokens would flip a setting of the
             # tokenizer that other threads read)
@@ -126,15 +126,19 @@ class TextMixin:
         """Ids of ``text`` alone, no special tokens added."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def check_stop(self, toks: list[int]) -> tuple[str, str] | None:
         """(text, reason) when ``toks`` ends the step, else None."""
         if toks[-1] in self.eos_ids:
-            return self.tokenizer.decode(toks[:-1], skip_special_tokens=True), "eos"
+            return self.decode(toks[:-1]), "eos"
         # decoding only the tail keeps this O(1) per token; an end earlier would have stopped us
         split, delimiter = self.config.split, self.config.delimiter
-        tail = self.tokenizer.decode(toks[-8:], skip_special_tokens=True)
+        tail = self.decode(toks[-8:])
         if step_end(tail, split, delimiter) is None:
             return None
-        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        text = self.decode(toks)
         cut = step_end(text, split, delimiter)
         return None if cut is None else (text[:cut], "delimiter")

@@ -153,10 +153,9 @@ def test_control_tokens_are_neutralized_in_one_pass_over_a_cached_index():
 
 
 def test_model_text_that_spells_a_control_token_is_read_as_plain_text():
-    from tests.helpers.tiny import char_tokenizer, tiny_lm
+    from tests.helpers.tiny import tiny_lm
 
     lm = tiny_lm()
-    lm.tokenizer = char_tokenizer()
     lm.tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     special = lm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     prev = "question: "
@@ -281,10 +280,9 @@ def test_the_api_key_can_come_from_a_file_and_never_from_both(tmp_path):
 
 
 def test_added_tokens_not_flagged_special_are_neutralized_too():
-    from tests.helpers.tiny import char_tokenizer, tiny_lm
+    from tests.helpers.tiny import tiny_lm
 
     lm = tiny_lm()
-    lm.tokenizer = char_tokenizer()
     lm.tokenizer.add_tokens(["<start_of_image>"])  # an added token that is not flagged special
     image = lm.tokenizer.convert_tokens_to_ids("<start_of_image>")
     ids = lm.encode(lm.format_prompt([{"role": "user", "content": "look <start_of_image> here"}]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import semspec.models.lm.step_decoding as step_decoding
-from semspec.models.lm import LM, StepStart
+from semspec.models.lm import StepStart
+from semspec.models.lm.step_decoding import StepWriter
 from semspec.models.spec.batching import SingleModelDecoder, decode_all
 from semspec.models.spec.proposer import DraftProposer
 from semspec.models.spec.semanticspec import SemanticSpecDecoder
@@ -127,8 +128,8 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
     decoder._advance = lambda rows: (rounds.append(len(rows)), real(rows))[1]
     real_loop = step_decoding.sample_rows
 
-    def spy(self, starts, *args):
-        runs = real_loop(self, starts, *args)
+    def spy(*args):
+        runs = real_loop(*args)
         loops.append([len(r.samples) for r in runs])
         return runs
 
@@ -156,15 +157,15 @@ def test_a_batch_of_four_equals_each_problem_alone(pair, name, monkeypatch):
 
 
 def _count_resumed(monkeypatch) -> list[int]:
-    """Rows whose loop went on with a step an earlier loop had begun (``LM._resume_partials``), per call."""
-    resumed, real = [], LM._resume_partials
+    """Rows whose loop went on with a step an earlier loop had begun (``StepWriter._resume_partials``), per call."""
+    resumed, real = [], StepWriter._resume_partials
 
     def counting(self, starts):
         out = real(self, starts)
         resumed.extend(i for i, st in enumerate(out) if st.partial is not None)
         return out
 
-    monkeypatch.setattr(LM, "_resume_partials", counting)
+    monkeypatch.setattr(StepWriter, "_resume_partials", counting)
     return resumed
 
 

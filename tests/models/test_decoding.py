@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from semspec.models.lm import StepStart
+from semspec.models.lm.forward import Forwards
+from semspec.models.lm.scoring import Scorer
 from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.semanticspec import SemanticSpecDecoder
 from semspec.models.spec.settings import DecodeSettings
@@ -62,9 +64,9 @@ def test_mixed_decisions_keep_both_caches_consistent(pair, gamma, monkeypatch):
         draft = tiny_lm(merged=False, seed=2, boost=2.5, max_step_tokens=8)
     probs = iter([0.9, 0.05, 0.9, 0.9, 0.05] * 50)
     settings = DecodeSettings(max_new_tokens=60, step_tokens=8, temperature=0.0, seed=3, gamma=gamma)
-    runs, real = [], type(target).score_runs
+    runs, real = [], Scorer.score_runs
     monkeypatch.setattr(
-        type(target),
+        Scorer,
         "score_runs",
         lambda self, st, r, lp=False: (runs.extend(map(len, r)), real(self, st, r, lp))[1],
     )
@@ -202,14 +204,14 @@ def test_gamma_drafts_several_steps_before_verifying(pair, gamma, monkeypatch):
     draft, target = pair
     settings = DecodeSettings(max_new_tokens=40, step_tokens=8, temperature=0.0, gamma=gamma)
     ref = SingleModelDecoder(draft, settings, "draft").decode(Q)
-    prefills, real = [], type(target).forward_rows
+    prefills, real = [], Forwards.forward_rows
 
     def counting(self, caches, new_ids, all_logits=False, **kw):
-        if self is target:
+        if self is target.forwards:
             prefills.append(len(new_ids))
         return real(self, caches, new_ids, all_logits, **kw)
 
-    monkeypatch.setattr(type(target), "forward_rows", counting)
+    monkeypatch.setattr(Forwards, "forward_rows", counting)
     res = SemanticSpecDecoder(draft, target, lambda h: 0.1, lambda h: 1.0, settings).decode(Q)
     # a draft whose steps end on a whole token writes a round's gamma steps in one loop, and the target
     # reads them in one prefill: the prompt, then one per round
