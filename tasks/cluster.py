@@ -198,20 +198,20 @@ def _batches(work: dict[str, list[dict[str, Any]]], size: int) -> Iterator[tuple
             yield role, groups[i : i + size]
 
 
-def _labels_local(cfg, model_cfg, work, total, judge, write: PartWriter) -> None:
-    actor = JudgeActor(model_cfg, judge)
+def _labels_local(cfg, judge_cfg, work, total, judge, write: PartWriter) -> None:
+    actor = JudgeActor(judge_cfg, judge)
     with tqdm(total=total, desc="cluster", unit="prefix") as bar:
         for role, batch in _batches(work, cfg.batch_prefixes):
             write(role, batch, actor.label(batch, cfg))
             bar.update(len(batch))
 
 
-def _labels_ray(cfg, model_cfg, work, total, judge, write: PartWriter) -> None:
+def _labels_ray(cfg, judge_cfg, work, total, judge, write: PartWriter) -> None:
     import ray  # only the ray executor needs it (a slow import); ray_utils imports it lazily too
 
     init_ray()
-    opts = restartable(num_cpus=1, num_gpus=1 if model_cfg.device.startswith("cuda") else 0)
-    actor = ray.remote(JudgeActor).options(**opts).remote(model_cfg)
+    opts = restartable(num_cpus=1, num_gpus=1 if judge_cfg.device.startswith("cuda") else 0)
+    actor = ray.remote(JudgeActor).options(**opts).remote(judge_cfg)
     futures = {
         actor.label.remote(batch, cfg): (role, batch) for role, batch in _batches(work, cfg.batch_prefixes)
     }

@@ -29,7 +29,7 @@ from semspec.models.spec import steps
 from semspec.models.spec.names import ROLES
 from semspec.tasks.config import Params, SampleConfig
 from semspec.tasks.io import content_md5, ensure_manifest, file_md5, read_shards, source_md5
-from semspec.tasks.sample import batches, done_prefixes, run_jobs
+from semspec.tasks.sample import done_prefixes, groups, run_jobs
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +93,21 @@ def run_cross(
         }
         done = done_prefixes(folder) if ensure_manifest(folder, manifest) else set()
         steps_by_prefix = author_steps(source)
-        todo = [
+        readable = [
             {**prefixes[pid], "steps": st}
             for pid, st in sorted(steps_by_prefix.items())
-            if pid not in done and any(s["text"] for s in st)
+            if any(s["text"] for s in st)
         ]
+        todo = list(groups(readable, cfg.batch_prefixes, done))
         log.info(
             "cross[%s]: reads the %s's steps of %d prefixes, %d already read, %d to do",
             role,
             other(role),
             len(steps_by_prefix),
             len(done),
-            len(todo),
+            sum(map(len, todo)),
         )
-        work.extend((role, b) for b in batches(todo, cfg.batch_prefixes))
+        work.extend((role, b) for b in todo)
         folders[role] = folder
     total = sum(len(b) for _, b in work)
     if total:

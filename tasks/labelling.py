@@ -171,10 +171,10 @@ def label_joint(
 class JudgeActor:
     """Holds one judge (a Ray actor, or in-process for the local executor)."""
 
-    def __init__(self, model_cfg: JudgeConfig | None = None, judge: Judge | None = None) -> None:
-        if judge is None and model_cfg is None:
-            raise ValueError("JudgeActor needs a model config or a judge")
-        self.judge = judge or load_judge(model_cfg)
+    def __init__(self, judge_cfg: JudgeConfig | None = None, judge: Judge | None = None) -> None:
+        if judge is None and judge_cfg is None:
+            raise ValueError("JudgeActor needs a judge config or a judge")
+        self.judge = judge or load_judge(judge_cfg)
 
     def label(self, groups: list[dict[str, Any]], cfg: ClusterConfig) -> list[dict[str, Any]]:
         """Labels for a batch of prefixes (one role's groups, or joint groups: ``{"roles": {...}}``)."""

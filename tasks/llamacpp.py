@@ -23,6 +23,7 @@ from typing import IO, Any
 import httpx
 
 from semspec.models.lm import LM
+from semspec.models.lm.pair import ModelConfig
 from semspec.models.spec.grading import extract_answer
 from semspec.models.spec.results import DecodeResult, Timings
 from semspec.models.spec.settings import DecodeSettings
@@ -233,7 +234,7 @@ class LlamaCppDecoder:
         return res
 
 
-def gguf_path(model_cfg: Any) -> Path:
+def gguf_path(model_cfg: ModelConfig) -> Path:
     """The GGUF file a model config loads (joined and checked as semspec loads it; a Hub model's from the
     local Hub cache); ``ValueError`` for a model that is not one, or not on disk yet, which llama.cpp
     cannot run."""

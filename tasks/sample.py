@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 
 def sample_seed(seed: int, role: str, prefix_id: str) -> int:
-    """Per-prefix seed: results do not depend on how prefixes are batched."""
+    """Per-prefix seed: a prefix's draws do not depend on which prefixes share its shard. (Its tokens may
+    still, rarely: a shard's contexts are padded to one width and padding rounds bfloat16 differently.
+    Shards are fixed groups, ``groups``, so a resumed run writes what an unbroken one does.)"""
     return int(hashlib.sha1(f"{seed}:{role}:{prefix_id}".encode()).hexdigest()[:15], 16)
 
 
@@ -163,9 +165,13 @@ def done_prefixes(folder: Path) -> set[str]:
     return done
 
 
-def batches(rows: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+def groups(rows: list[dict[str, Any]], size: int, done: set[str]) -> Iterator[list[dict[str, Any]]]:
+    """The shards still to write: consecutive groups of ``size`` prefixes of the whole list, less the
+    prefixes ``done`` (a shard is written whole, so a group is all done or all to do, unless an older
+    run grouped them otherwise), so that a resumed run batches each prefix as an unbroken one."""
     for i in range(0, len(rows), size):
-        yield rows[i : i + size]
+        if todo := [r for r in rows[i : i + size] if r["prefix_id"] not in done]:
+            yield todo
 
 
 def run_sample(
@@ -190,10 +196,9 @@ def run_sample(
         manifest = {
             "pair": pair.name,
             "model_id": model_cfg.model_id,
-            "format": resolve_format(
-                model_cfg.dtype, model_cfg.device
-            ).name,  # shards of another format are redone
-            "code_md5": source_md5(lm_module, cpu, steps),  # and shards of other feature code
+            # shards of another format are redone, and shards of other feature code
+            "format": resolve_format(model_cfg.dtype, model_cfg.device).name,
+            "code_md5": source_md5(lm_module, cpu, steps),
             "model": asdict(model_cfg),
             "sample": asdict(cfg),
             "prefixes_md5": file_md5(Path(prefixes_path)),
@@ -207,7 +212,7 @@ def run_sample(
         log.info(
             "sample[%s]: %d prefixes, %d already sampled, %d to do", role, len(prefixes), len(done), len(todo)
         )
-        work.extend((role, b) for b in batches(todo, cfg.batch_prefixes))
+        work.extend((role, b) for b in groups(prefixes, cfg.batch_prefixes, done))
         folders[role] = folder
     total = sum(len(b) for _, b in work)
     if total:

@@ -24,8 +24,9 @@ The package: ``types`` (the values above and the decode loop's inputs and output
 checks, cropping, stacking per-row caches), ``adapter`` (``LM``, which holds four parts, each given what
 it reads: ``text.Text``: prompts and tokenization; ``forward.Forwards``: forwards, prefill and extend;
 ``scoring.Scorer``: scoring steps, greedy agreement and resume; ``step_decoding.StepWriter``: step sampling
-and decode runs), ``step_loop`` (the batched decode loop) and ``loading`` (``load_lm`` and the cache of converted GGUF files). Everything callers use is
-importable from ``semspec.models.lm``.
+and decode runs), ``step_loop`` (the batched decode loop), ``sampling`` (nucleus draws) and ``loading``
+(``load_lm`` and the cache of converted GGUF files). Everything callers use is importable from
+``semspec.models.lm``.
 """
 
 from semspec.models.lm.adapter import LM

@@ -97,18 +97,22 @@ class LM:
 
     @property
     def device(self) -> torch.device:
+        """The device the model runs on."""
         return self.forwards.device
 
     @property
     def eos_ids(self) -> set[int]:
+        """Token ids that end a reply."""
         return self.text.eos_ids
 
     @property
     def num_layers(self) -> int:
+        """The model's decoder layers (hidden states have one more: the embeddings)."""
         return self.forwards.num_layers
 
     @property
     def hidden_size(self) -> int:
+        """The width of a hidden state."""
         return self.forwards.hidden_size
 
     @property

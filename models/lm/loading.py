@@ -88,9 +88,8 @@ def _converted_folder(model_cfg: ModelConfig, where: str, dtype: torch.dtype) ->
     path = gguf_path(where, model_cfg.gguf_file)
     if path is None:
         return None
-    verified = (
-        model_cfg.sha256 if model_cfg.source != "hub" else None
-    )  # resolve_model checked it (not a Hub file)
+    # resolve_model checked it (not a Hub file)
+    verified = model_cfg.sha256 if model_cfg.source != "hub" else None
     key = converted_key(path, dtype_name(dtype), verified, f"transformers=={transformers.__version__}")
     return converted_cache_path(model_cfg.model_id, key), key
 
@@ -194,9 +193,8 @@ def _load_and_quantize(
     loaded = _load_converted(*converted, model_cfg, fmt.load_dtype) if converted else None
     if loaded is None:
         loaded = _load_pretrained(model_cfg, where, fmt.load_dtype)
-        converted = converted or _converted_folder(
-            model_cfg, where, fmt.load_dtype
-        )  # a Hub GGUF is on disk now
+        # a Hub GGUF is on disk now
+        converted = converted or _converted_folder(model_cfg, where, fmt.load_dtype)
         if converted:
             _save_converted(*converted, *loaded)
     tokenizer, model = loaded

@@ -1,6 +1,6 @@
-"""Writing steps with ``LM``: sample ``n`` continuations of one context, or one or more steps per row in
-one batched decode loop (``step_loop``), resuming a lookahead step an earlier loop began and finishing
-each row's context after its last step."""
+"""Writing steps with ``LM`` (``StepWriter``): sample ``n`` continuations of each of several contexts, or one
+or more steps per row, in one batched decode loop (``step_loop``), resuming a lookahead step an earlier
+loop began and finishing each row's context after its last step."""
 
 from __future__ import annotations
 

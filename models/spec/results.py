@@ -131,6 +131,9 @@ def charged(phase: str) -> Callable[[F], F]:
     ``probe``), or ``role``: the call's ``role`` argument names it. Timing is declared on the few methods
     that call a model, so the algorithm's code carries no clocks."""
 
+    if phase not in ("role", "draft", "verify", "target", "probe"):
+        raise TypeError(f"@charged({phase!r}): a phase is draft, verify, target, probe or role")
+
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
         which = "rows" if "rows" in sig.parameters else "row"
@@ -139,14 +142,18 @@ def charged(phase: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            call = sig.bind(
+                *args, **kwargs
+            )  # a call that cannot bind fails here, as it would, before it runs
+            call.apply_defaults()
+            bound = call.arguments
+            rows = bound[which] if which == "rows" else [bound[which]]
+            name = bound["role"] if phase == "role" else phase
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
-                bound = sig.bind_partial(*args, **kwargs).arguments
-                rows = bound[which] if which == "rows" else [bound[which]]
-                name = bound["role"] if phase == "role" else phase
                 for row in rows:
                     tm = row.res.timings
                     setattr(tm, name, getattr(tm, name) + dt)

@@ -70,7 +70,7 @@ def summarize_rows(
     ``latency_s`` (join to last step) is reported beside it. With ``draft_rows`` (the draft's rows of the
     same run), the paired difference to the draft too. ``cut`` is the share of answers the budget ended;
     ``same_answer_as_target`` / ``_draft`` the share of shared problems whose extracted answer is that
-    method's (both None: no answer counts as equal)."""
+    method's (two missing answers are not equal)."""
 
     by_seed: dict[int, list[bool]] = {}
     for r in rows:
@@ -93,10 +93,10 @@ def summarize_rows(
         "budget_90": finish_budget(rows, 0.9),
         **rejections_by_reason(rows),
     }
-    out.update(_versus(rows, draft_rows, "draft"))
-    base = {(r["question_id"], r["seed"]): r for r in base_rows or []}
-    both = [(r, base[k]) for r in rows if (k := (r["question_id"], r["seed"])) in base]
-    if base_rows is None or not both:
+    if rows is not draft_rows:  # (the draft against itself: nothing to learn)
+        out.update(_versus(rows, draft_rows, "draft"))
+    both = _paired(rows, base_rows or [])
+    if not both:
         out.update(bootstrap_pass([r["correct"] for r in rows]))
         return out
     mine, theirs = [m for m, _ in both], [t for _, t in both]
@@ -161,9 +161,9 @@ def overall_metrics(
             for r in rows.get((bench, label), [])
         ]
 
-    base = pooled("target") if "target" in labels else None
-    draft = pooled("draft") if "draft" in labels else None
-    return {label: summarize_rows(pooled(label), base, draft) for label in labels if pooled(label)}
+    every = {label: pooled(label) for label in labels}
+    base, draft = every.get("target"), every.get("draft")
+    return {label: summarize_rows(mine, base, draft) for label, mine in every.items() if mine}
 
 
 def rejections_by_reason(rows: list[dict[str, Any]]) -> dict[str, int]:

@@ -54,7 +54,8 @@ def test_a_call_leaves_nothing_of_its_rows_behind(pair):
 
 def test_charged_adds_a_call_s_time_to_each_row_it_was_given():
     """``charged`` declares what a model call's time is: every row passed in waited for all of it; with
-    ``role`` the call's role argument names the phase; a function without rows cannot be charged."""
+    ``role`` the call's role argument names the phase; a function without rows, or a phase that is not one,
+    cannot be charged."""
     import time
     from types import SimpleNamespace
 
@@ -80,3 +81,15 @@ def test_charged_adds_a_call_s_time_to_each_row_it_was_given():
     assert c.res.timings.draft >= 0.01 and c.res.timings.target == 0.0
     with pytest.raises(TypeError, match="rows"):
         charged("draft")(lambda states: None)
+    with pytest.raises(TypeError, match="a phase is"):
+        charged("verfy")  # a misspelt phase is refused where it is declared, not at the first call
+
+    @charged("probe")
+    def fails(rows: list) -> None:
+        raise RuntimeError("the model call failed")
+
+    with pytest.raises(RuntimeError, match="the model call failed"):
+        fails([a])
+    assert a.res.timings.probe > 0.0  # a failed call's time is charged too
+    with pytest.raises(TypeError):  # a call that cannot bind fails as the call would, before it runs
+        fails()

@@ -1,4 +1,4 @@
-"""Pair configuration: every shipped pair validates; bad specs name the field."""
+"""Pair configuration: every shipped pair validates; a bad model config names its field."""
 
 from __future__ import annotations
 

@@ -102,6 +102,8 @@ def test_the_study_columns_pair_each_method_with_the_target_and_the_draft():
     assert m["delta_vs_target"] == pytest.approx(2 / 4 - 3 / 4)
     alone = summarize_rows(spec)
     assert "delta_vs_draft" not in alone and "same_answer_as_target" not in alone
+    itself = summarize_rows(draft, target, draft)  # the draft's own row: no difference to itself
+    assert "delta_vs_draft" not in itself and itself["same_answer_as_target"] == pytest.approx(1 / 3)
 
 
 def test_the_budget_that_lets_90_percent_finish_is_read_from_one_long_run():

@@ -1116,3 +1116,19 @@ def test_training_on_both_authors_uses_each_models_reading_of_the_other(stages, 
     (run,) = client.search_runs([exp.experiment_id], "tags.role = 'target' and tags.variant = 'all'")
     assert run.data.params["examples"] == "both"
     assert run.data.params["chosen_hidden"] in ("[]", "[8]"), "the shape kept on validation is logged"
+
+
+def test_a_resumed_sample_stage_batches_each_prefix_as_an_unbroken_run_does():
+    """Shards are fixed groups of consecutive prefixes: a prefix's shard neighbours (padding rounds with
+    them) are the same whichever shards a killed run finished; a group an older run split is completed."""
+    from semspec.tasks.sample import groups
+
+    rows = [{"prefix_id": f"p{i}"} for i in range(7)]
+
+    def ids(done: set[str]) -> list[list[str]]:
+        return [[r["prefix_id"] for r in g] for g in groups(rows, 3, done)]
+
+    assert ids(set()) == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6"]]
+    assert ids({"p0", "p1", "p2"}) == [["p3", "p4", "p5"], ["p6"]]  # the unbroken run's groups, less one
+    assert ids({"p3"}) == [["p0", "p1", "p2"], ["p4", "p5"], ["p6"]]
+    assert ids({r["prefix_id"] for r in rows}) == []
