@@ -19,10 +19,11 @@ from semspec.models.spec.batching import SingleModelDecoder
 from semspec.models.spec.names import FLOOR_AUTO, GAMMA_AUTO, METHODS, ROLES, split_probe_key
 from semspec.models.spec.probe import probe_probabilities, probe_probability
 from semspec.models.spec.results import Decoder
-from semspec.models.spec.semanticspec import ProbeFn, SemanticSpecDecoder
+from semspec.models.spec.semanticspec import SemanticSpecDecoder
 from semspec.models.spec.settings import DecodeSettings, gamma_for
 from semspec.models.spec.specreason import SpecReasonDecoder
 from semspec.models.spec.token_level import AssistedDecoder, TokenSpecDecoder
+from semspec.models.spec.verifier import ProbeFn
 from semspec.tasks.config import EvaluateConfig
 
 log = logging.getLogger(__name__)

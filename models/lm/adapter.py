@@ -59,6 +59,7 @@ class LM:
     continuation_ids = _PartCall("text")
     plain_ids = _PartCall("text")
     check_stop = _PartCall("text")
+    decode = _PartCall("text")
     # forwards
     forward = _PartCall("forwards")
     head = _PartCall("forwards")

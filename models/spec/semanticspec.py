@@ -25,8 +25,6 @@ from semspec.models.spec.names import SEMANTICSPEC_RULES
 from semspec.models.spec.settings import DecodeSettings
 from semspec.models.spec.verifier import ProbeFn, SemanticSpecVerifier
 
-__all__ = ["ProbeFn", "SemanticSpecDecoder"]
-
 
 class SemanticSpecDecoder(DraftTarget):
     """SemanticSpec (Algorithm 1) with probes ``q_probe`` (draft) and ``p_probe`` (target)."""
@@ -49,9 +47,18 @@ class SemanticSpecDecoder(DraftTarget):
                     "(semspec.tasks.decoders.build_decoder reads it from the registered probes)"
                 )
         self.draft, self.target, self.settings = draft, target, settings
-        self.q_probe, self.p_probe = q_probe, p_probe
         self.verifier = SemanticSpecVerifier(target, q_probe, p_probe, settings)
         self.probe_ids = probe_ids  # role -> identity of the probe (its weights' sha256)
+
+    @property
+    def q_probe(self) -> ProbeFn:
+        """The draft's probe (the verifier's)."""
+        return self.verifier.q_probe
+
+    @property
+    def p_probe(self) -> ProbeFn:
+        """The target's probe (the verifier's)."""
+        return self.verifier.p_probe
 
     @property
     def run_identity(self) -> dict:

@@ -39,7 +39,7 @@ class SpecReasonVerifier:
     def __init__(self, target: LM, instruction: str = VERIFY_INSTRUCTION, lead: str = VERIFY_LEAD) -> None:
         self.target = target
         self.prompt = target.next_turn(instruction, lead)
-        ids = [target.tokenizer.encode(str(d), add_special_tokens=False) for d in range(10)]
+        ids = [target.plain_ids(str(d)) for d in range(10)]
         self.digits = {i[0]: d for d, i in enumerate(ids) if len(i) == 1}
 
     def rate(self, states: list[LMState], step_texts: list[str]) -> list[tuple[int, LMState, int]]:

@@ -48,9 +48,7 @@ class TokenSpecDecoder:
         res.output_tokens = len(new)
         res.finish_reason = "eos" if new and new[-1] in self.target.eos_ids else "length"
         res.timings.target = time.perf_counter() - t0
-        res.add(
-            StepRecord("target", self.target.tokenizer.decode(new, skip_special_tokens=True), 0, len(new))
-        )
+        res.add(StepRecord("target", self.target.decode(new), 0, len(new)))
         res.extra = {**stats, "token_acceptance_rate": stats["accepted"] / max(1, stats["proposed"])}
         return finish_result(self.method, res, t0, s)
 
@@ -106,7 +104,7 @@ class AssistedDecoder:
                 h.remove()
         new = out[0, ids.shape[1] :].tolist()
         eos = bool(new) and new[-1] in self.target.eos_ids
-        text = self.target.tokenizer.decode(new, skip_special_tokens=True)
+        text = self.target.decode(new)
         res.output_tokens = len(new)
         res.finish_reason = "eos" if eos else "length"
         res.timings.target = time.perf_counter() - t0

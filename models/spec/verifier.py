@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from semspec.models.lm import (
     LM,
-    LMState,
     Pooled,
     StepSample,
     StepScore,
@@ -23,6 +22,7 @@ from semspec.models.lm import (
 )
 from semspec.models.spec import rules
 from semspec.models.spec.batching import Row, scored_room
+from semspec.models.spec.proposer import Restore
 from semspec.models.spec.results import charged
 from semspec.models.spec.settings import DecodeSettings
 
@@ -43,7 +43,7 @@ class Judgement:
     score: StepScore | None  # the target's scoring of the step (None for an empty step)
     accepted: bool
     why: dict[str, float | str | None]  # p, q, the uniform draw u and what rejected the step (None: kept)
-    restore: Callable[[], LMState]  # the target's state before the step
+    restore: Restore  # the target's state before the step
 
 
 class SemanticSpecVerifier:
@@ -143,9 +143,7 @@ class SemanticSpecVerifier:
             verdict = rules.accept(w["p"], w["q"], w["u"], self.settings.rule, w["tok"])
             accepts[b], w["rejected_by"] = verdict.accepted, verdict.rejected_by
 
-    def salvage(
-        self, row: Row, score: StepScore | None, t_restore: Callable[[], LMState]
-    ) -> tuple[StepStart, int]:
+    def salvage(self, row: Row, score: StepScore | None, t_restore: Restore) -> tuple[StepStart, int]:
         """Where the target rewrites a rejected step, and how many of its tokens it keeps. With
         ``salvage`` (greedy only): after the longest prefix of the rejected step that the target would
         have written itself (its argmax at every position, from the verification prefill), which gives
