@@ -11,12 +11,16 @@ baseline a CPU user compares against.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,6 +57,7 @@ def find_server(where: str | None) -> str:
     return found
 
 
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 PORT_ATTEMPTS = 3  # starts on a new port after the port was taken meanwhile
 
 
@@ -87,12 +92,21 @@ class LlamaServer:
     stopped on exit; ``complete`` sends it one prompt."""
 
     def __init__(
-        self, binary: str, model: Path, draft: Path | None = None, threads: int = 2, ctx: int = 4096
+        self,
+        binary: str,
+        model: Path,
+        draft: Path | None = None,
+        threads: int = 2,
+        ctx: int = 4096,
+        parallel: int = 1,
     ):
-        self.binary, self.model, self.draft = binary, model, draft
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.binary, self.model, self.draft, self.parallel = binary, model, draft, parallel
         self.port = 0  # chosen at each start (a port free then may be taken before the server binds it)
         self.args = [binary, "-m", str(model), "--host", "127.0.0.1"]
-        self.args += ["-t", str(threads), "-c", str(ctx), "-np", "1"]
+        # ``parallel`` slots decode as one batch (llama.cpp's continuous batching), each with ``ctx`` positions
+        self.args += ["-t", str(threads), "-c", str(ctx * parallel), "-np", str(parallel)]
         if draft is not None:
             self.args += ["-md", str(draft)]
             if "--spec-type" in _run(binary, "--help"):  # newer builds name the draft model's kind
@@ -115,7 +129,9 @@ class LlamaServer:
         for attempt in range(PORT_ATTEMPTS):
             self.port = _free_port()
             self._log = tempfile.TemporaryFile()
-            self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
             try:
                 self._wait_healthy()
                 return self
@@ -189,6 +205,25 @@ class LlamaServer:
         return lines[0].removeprefix("version: ") if lines else "unknown"
 
 
+def _prctl() -> Any:
+    """libc's ``prctl``, looked up in this process (never in a forked child, where a lock another thread
+    held at the fork could hang the lookup); None where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it runs llama-server: it gets SIGTERM when the process that started
+    it dies, so a killed bench or evaluation actor (``ray.kill``) never leaves a server behind (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _run(binary: str, flag: str) -> str:
     """``binary flag``'s output (``--help``, ``--version``); empty where it fails or hangs."""
     try:
@@ -210,10 +245,44 @@ def _peak_rss_gb(pid: int) -> float | None:
 
 
 class LlamaCppDecoder:
-    """A bench method: each question through a ``LlamaServer`` as the target would see it."""
+    """A bench or evaluation method: each question through a ``LlamaServer`` as the target would see it;
+    ``decode_batch`` sends a batch's questions at once, to the server's parallel slots."""
 
     def __init__(self, method: str, server: LlamaServer, target: LM, settings: DecodeSettings) -> None:
         self.method, self.server, self.target, self.settings = method, server, target, settings
+
+    @property
+    def run_identity(self) -> dict[str, Any]:
+        """What decides this method's rows beyond the evaluation settings: llama.cpp's build, the GGUF file
+        and the slots that decode together."""
+        return {
+            "llamacpp": self.server.version(),
+            "gguf": self.server.model.name,
+            "slots": self.server.parallel,
+        }
+
+    def decode_batch(
+        self,
+        questions: Sequence[str],
+        batch_size: int = 1,
+        on_result: Callable[[int, DecodeResult], None] | None = None,
+    ) -> list[DecodeResult]:
+        """Answer ``questions``, ``batch_size`` at a time sent together (at most the server's slots): each
+        answer's latency is its own request's, and its machine time (``share``) the batch's wall time over
+        its size, as a semspec batch shares its calls."""
+        size = min(batch_size, self.server.parallel)
+        out: list[DecodeResult] = []
+        with ThreadPoolExecutor(size) as pool:
+            for at in range(0, len(questions), size):
+                t0 = time.perf_counter()
+                batch = list(pool.map(self.decode, questions[at : at + size]))
+                wall = time.perf_counter() - t0
+                for i, res in enumerate(batch, start=at):
+                    res.timings.share = wall / len(batch)
+                    if on_result is not None:
+                        on_result(i, res)
+                out += batch
+        return out
 
     def decode(self, question: str) -> DecodeResult:
         """One greedy completion of ``question``'s prompt, timed from request to response."""

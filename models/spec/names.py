@@ -14,6 +14,9 @@ from __future__ import annotations
 import re
 
 METHODS = ("target", "draft", "specsampling", "assisted", "specreason", "semanticspec")
+# not semspec's decoders: llama.cpp's llama-server on the target's GGUF file, the baseline a CPU user runs
+# (``semspec bench --llamacpp``, and an evaluation method named in ``evaluate.methods``, never by default)
+LLAMACPP = "llamacpp"
 PROBE_METHOD = "semanticspec"  # the method that reads the registered probes
 # the evaluate settings only SemanticSpec reads (its acceptance rule): part of its run identity, not of the
 # other methods' run keys
@@ -56,9 +59,9 @@ def split_probe_key(key: str) -> tuple[str, str | None]:
 
 def method_label(method: str, variant: str | None = None) -> str:
     """The label of one decoder: ``semanticspec-<probe key>`` for SemanticSpec (``semanticspec-all``,
-    ``semanticspec-all@math``), else the method name."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    ``semanticspec-all@math``), else the method name (``llamacpp`` too)."""
+    if method not in (*METHODS, LLAMACPP):
+        raise ValueError(f"unknown method {method!r}; expected one of {(*METHODS, LLAMACPP)}")
     if method != PROBE_METHOD:
         return method
     if variant is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from semspec.models.project.names import SMOKE_STAGE, STAGES
 from semspec.models.spec.names import (
     ALL_DOMAINS,
+    LLAMACPP,
     METHODS,
     PROBE_METHOD,
     PROBE_VARIANTS,
@@ -284,6 +285,8 @@ class EvaluateConfig:
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
+    # the llamacpp method's llama-server (the binary or its folder; null: the one on the PATH)
+    llamacpp_bin: str | None = None
 
     def __post_init__(self) -> None:
         check_domain(self.probe_domain)
@@ -294,8 +297,10 @@ class EvaluateConfig:
             )
         if any(not isinstance(v, int) or v < 0 for v in self.benchmarks.values()):
             raise ValueError("evaluate: field 'benchmarks' maps names to problem counts >= 0 (0: all)")
-        if not self.methods or set(self.methods) - set(METHODS):
-            raise ValueError(f"evaluate: field 'methods' must be a non-empty subset of {METHODS}")
+        if not self.methods or set(self.methods) - {*METHODS, LLAMACPP}:
+            raise ValueError(
+                f"evaluate: field 'methods' must be a non-empty subset of {(*METHODS, LLAMACPP)}"
+            )
         if set(self.probe_variants) - set(PROBE_VARIANTS):
             raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:

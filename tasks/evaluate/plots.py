@@ -42,6 +42,7 @@ METHOD_COLOURS = {
     "semanticspec-last": "tab:cyan",
     "semanticspec-all": "tab:blue",
     "semanticspec-mix": "tab:green",
+    "llamacpp": "tab:pink",
 }
 
 

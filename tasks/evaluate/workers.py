@@ -4,6 +4,7 @@ seed) and gives back each problem's result as it finishes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -16,7 +17,7 @@ import torch
 from semspec.models.lm import LM, load_lm
 from semspec.models.lm.pair import PairConfig
 from semspec.models.spec.batching import decode_all
-from semspec.models.spec.names import ROLES, parse_label
+from semspec.models.spec.names import LLAMACPP, ROLES, parse_label
 from semspec.models.spec.results import DecodeResult
 from semspec.models.spec.settings import MethodNotApplicable
 from semspec.tasks.config import EvaluateConfig
@@ -34,14 +35,23 @@ def method_decoders(
     benchmark: str,
     seed: int,
     pins: dict[str, str] | None = None,
+    llama: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The decoders of every method label, and the labels that cannot run on this pair with the reason."""
+    """The decoders of every method label, and the labels that cannot run on this pair with the reason.
+    ``llama`` gives the ``llamacpp`` method's running server (``tasks/llamacpp.py``)."""
     settings = decode_settings(cfg, seed=seed, benchmark="gpqa" if benchmark == "gpqa" else "math")
     out, skipped = {}, {}
     for label in cfg.method_labels():
         method, variant = parse_label(label)
         try:
-            out[label] = build_decoder(method, pair, lms, settings, variant or "all", pins)
+            if method == LLAMACPP:
+                from semspec.tasks.llamacpp import LlamaCppDecoder
+
+                if llama is None:
+                    raise MethodNotApplicable("llamacpp runs in an evaluation worker that starts its server")
+                out[label] = LlamaCppDecoder(label, llama(), lms["target"], settings)
+            else:
+                out[label] = build_decoder(method, pair, lms, settings, variant or "all", pins)
         except MethodNotApplicable as e:
             skipped[label] = str(e)
     return out, skipped
@@ -70,15 +80,41 @@ class EvalWorker:
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.cfg, self.pair, self.pins = cfg, pair, pins
+        self.cfg, self.pair, self.pins, self.threads = cfg, pair, pins, threads
         self.lms = lms or {r: load_lm(pair.role(r)) for r in ROLES}
         self._built: dict[tuple[str, int], tuple[dict[str, Any], dict[str, str]]] = {}
+        self._llama: Any = None  # the llamacpp method's server, started at its first use
 
     def decoders(self, bench: str, seed: int) -> tuple[dict[str, Any], dict[str, str]]:
         """The decoders of (benchmark, seed), built once."""
         if (bench, seed) not in self._built:
-            self._built[bench, seed] = method_decoders(self.cfg, self.pair, self.lms, bench, seed, self.pins)
+            self._built[bench, seed] = method_decoders(
+                self.cfg, self.pair, self.lms, bench, seed, self.pins, self.llama_server
+            )
         return self._built[bench, seed]
+
+    def llama_server(self) -> Any:
+        """The ``llamacpp`` method's ``llama-server`` on the target's GGUF file, started once: this worker's
+        threads, one slot per problem of a batch (``evaluate.batch_size``). ``MethodNotApplicable`` for a
+        target that is not a GGUF file; ``ValueError`` (how to get one) without a ``llama-server``."""
+        if self._llama is None:
+            from semspec.tasks.llamacpp import LlamaServer, find_server, gguf_path
+
+            binary = find_server(self.cfg.llamacpp_bin)
+            try:
+                model = gguf_path(self.pair.role("target"))
+            except ValueError as e:
+                raise MethodNotApplicable(f"llama.cpp runs GGUF files: {e}") from None
+            threads = self.threads or torch.get_num_threads()
+            server = LlamaServer(binary, model, threads=threads, parallel=self.cfg.batch_size)
+            self._llama = server.__enter__()
+        return self._llama
+
+    def close(self) -> None:
+        """Stop the ``llamacpp`` method's server, if one was started."""
+        if self._llama is not None:
+            self._llama.__exit__(None, None, None)
+            self._llama = None
 
     def plan(self, bench: str) -> dict[str, Any]:
         """The models (id, dtype, device), the labels that cannot run with why, each label's run identity
@@ -113,7 +149,7 @@ class LocalPool:
             self.worker.decode(turn, functools.partial(keep, turn))
 
     def close(self) -> None:
-        pass
+        self.worker.close()
 
 
 class RayPool:
@@ -150,6 +186,9 @@ class RayPool:
             idle.append(actor)
 
     def close(self) -> None:
+        # each actor stops its llama-server first (one that cannot is killed: its server gets SIGTERM then)
+        with contextlib.suppress(Exception):
+            self.ray.get([actor.close.remote() for actor in self.actors], timeout=30)
         for actor in self.actors:
             self.ray.kill(actor)
 

@@ -20,8 +20,8 @@ from semspec.tasks.llamacpp import LlamaCppDecoder, LlamaServer, find_server
 from tests.helpers.tiny import tiny_lm
 
 STUB = r"""
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
 if "--help" in args:
     print("--spec-type none,draft-simple"); sys.exit(0)
@@ -46,13 +46,15 @@ class H(BaseHTTPRequestHandler):
         self._send({"status": "ok"})
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        start = time.time()
+        time.sleep(float(os.environ.get("STUB_DELAY", "0")))
         with open(log, "a") as f:
-            f.write(json.dumps({"request": req, "spec": spec}) + "\n")
+            f.write(json.dumps({"request": req, "spec": spec, "start": start, "end": time.time()}) + "\n")
         timings = {"draft_n": 10, "draft_n_accepted": 4} if spec else {}
         self._send({"content": "So 2 + 4 = 6. The answer is \\boxed{6}.", "tokens_predicted": 7,
                     "stop_type": "eos", "timings": timings})
 
-HTTPServer(("127.0.0.1", port), H).serve_forever()
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
@@ -179,3 +181,62 @@ def test_a_port_taken_before_the_server_binds_it_is_never_talked_to(stub, tmp_pa
         impostor.shutdown()
     started = [e["argv"] for e in _log(tmp_path) if "argv" in e]
     assert started[-1][started[-1].index("--port") + 1] == str(server.port)
+
+
+def test_a_batch_goes_to_the_server_s_slots_together_and_shares_its_wall_time(stub, tmp_path, monkeypatch):
+    """``decode_batch``: at most ``parallel`` requests in flight (the server's slots), each answer's
+    latency its own and its machine time the batch's wall time over its size, as a semspec batch."""
+    monkeypatch.setenv("STUB_DELAY", "0.3")
+    lm, settings = tiny_lm(), DecodeSettings(max_new_tokens=8, temperature=0.0)
+    seen = []
+    with LlamaServer(str(stub), tmp_path / "t.gguf", parallel=3) as server:
+        dec = LlamaCppDecoder("llamacpp", server, lm, settings)
+        res = dec.decode_batch([f"What is {i} + 1?" for i in range(5)], 4, lambda i, r: seen.append(i))
+        assert dec.run_identity == {"llamacpp": "42 (stub)", "gguf": "t.gguf", "slots": 3}
+    argv, *requests = _log(tmp_path)
+    assert argv["argv"][argv["argv"].index("-np") + 1] == "3"
+    assert argv["argv"][argv["argv"].index("-c") + 1] == str(3 * 4096), "each slot gets the whole context"
+    assert [r["request"]["prompt"] for r in sorted(requests, key=lambda r: r["request"]["prompt"])] == [
+        lm.format_prompt(f"What is {i} + 1?") for i in range(5)
+    ]
+    in_flight = max(sum(r["start"] <= e["start"] < r["end"] for r in requests) for e in requests)
+    assert in_flight == 3, "a batch of 4 runs on the 3 slots at once, never more"
+    assert sorted(seen) == list(range(5)) and [x.method for x in res] == ["llamacpp"] * 5
+    first, second = res[:3], res[3:]
+    assert len({x.timings.share for x in first}) == 1 and len({x.timings.share for x in second}) == 1
+    assert 0.3 / 3 <= first[0].timings.share < min(x.timings.total for x in first)
+    with pytest.raises(ValueError, match="parallel"):
+        LlamaServer(str(stub), tmp_path / "t.gguf", parallel=0)
+
+
+def test_an_evaluation_runs_llamacpp_beside_semspec_s_methods(stub, tmp_path, monkeypatch):
+    """``evaluate.methods: [..., llamacpp]``: the worker starts one server on the target's GGUF file (its
+    slots the batch size), decodes the method's problems through it, and stops it on close; a target that
+    is not a GGUF file skips the method, saying why; without a llama-server the evaluation says how to
+    get one."""
+    from semspec.tasks import llamacpp
+    from semspec.tasks.config import EvaluateConfig
+    from semspec.tasks.data import Problem
+    from semspec.tasks.evaluate.workers import EvalWorker, LocalPool, Turn
+    from tests.helpers.pipeline import write_tiny_pair
+
+    pair = write_tiny_pair(tmp_path, max_step_tokens=4)
+    cfg = EvaluateConfig(
+        benchmarks={"arith": 2}, methods=["target", "llamacpp"], batch_size=2, decode={"max_new_tokens": 8}
+    )
+    lms = {"draft": tiny_lm(max_step_tokens=4), "target": tiny_lm(seed=1, max_step_tokens=4)}
+    plan = EvalWorker(cfg, pair, None, lms).plan("arith")
+    assert "GGUF" in plan["not_run"]["llamacpp"] and "target" not in plan["not_run"]
+    monkeypatch.setattr(llamacpp, "gguf_path", lambda model_cfg: tmp_path / "target.gguf")
+    pool = LocalPool(EvalWorker(cfg, pair, None, lms))
+    assert pool.plan("arith")["identity"]["llamacpp"]["slots"] == 2
+    problems = [Problem(f"q{i}", "arith", "math", f"What is {i} + {i}?", str(2 * i)) for i in (1, 2)]
+    kept = []
+    pool.run([Turn("arith", 0, "llamacpp", problems)], lambda turn, i, res: kept.append((i, res.answer)))
+    server = pool.worker._llama
+    assert sorted(kept) == [(0, "6"), (1, "6")] and server.proc is not None
+    pool.close()
+    assert server.proc is None and pool.worker._llama is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="llama-server"):
+        EvalWorker(cfg, pair, None, lms).plan("arith")
