@@ -1,0 +1,240 @@
+"""The accuracy study: the paper's Table 1 on a CPU, in one resumable command.
+
+    python benchmarks/study.py [--pair qwen-coder] [--budget N] [--llamacpp BIN] [--floors 0.5 1 1.5 2]
+
+1. **The budget** (skipped with ``--budget``): the target alone, greedy, on the study's problems under a
+   budget far above what it needs (``--profile budget``); ``budget_90`` of its metrics is the least budget
+   at which 90% of its answers end by themselves, the budget every method then gets.
+2. **The study**: ``--profile study`` (every method on the same problems, greedy) at that budget, with
+   llama.cpp's target on the same GGUF file where ``--llamacpp`` names a ``llama-server`` (or its folder).
+3. **The operating curve**: SemanticSpec ``all`` at each ``--floors`` value of ``min_ratio`` (a step is
+   accepted when ``u < min(1, p/q)`` and ``p/q`` reaches the floor), each into its own folder; the
+   target's rows of step 2 are shared, not decoded again.
+
+Each evaluation resumes per problem (run it again after a kill). Writes ``eval/<pair>-study/`` (rows),
+``reports/<pair>-study/``: ``study.md`` (the table, the curve, the CPU, formats, problem counts and
+budget), ``metrics.json`` and ``pareto.png`` (``benchmarks/figure.py``: pass@1 against time per problem,
+every method, the curve's points beside them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ``benchmarks`` importable
+
+from benchmarks.weak_draft import semspec, share_baselines
+
+log = logging.getLogger("semspec.benchmarks.study")
+
+OVERALL = "_overall"
+CURVE = "semanticspec-all"  # the method the operating curve moves
+LLAMACPP = "llamacpp"
+
+
+def read_budget(metrics: dict[str, Any]) -> int:
+    """The budget run's ``budget_90`` of the target over every benchmark; ``ValueError`` when fewer than
+    90% of its answers ended within the run's budget (say how to get one)."""
+    budget = metrics.get(OVERALL, {}).get("target", {}).get("budget_90")
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(
+            "the budget run's target did not finish 90% of its answers within its budget: rerun it with a "
+            "larger one (--set evaluate.decode.max_new_tokens=N) or pass --budget N"
+        )
+    return budget
+
+
+def evaluate(pair: str, profile: str, out: Path, reports: Path, name: str, sets: list[str]) -> dict:
+    """One ``semspec evaluate`` (resumes per problem) into ``out``; its summary."""
+    metrics = reports / f"{name}.json"
+    opts = [x for s in sets for x in ("--set", s)]
+    semspec(
+        "evaluate", "--pair", pair, "--profile", profile, *opts,
+        "--out", str(out), "--metrics", str(metrics), "--plots", str(reports / f"plots-{name}"),
+    )  # fmt: skip
+    return json.loads(metrics.read_text())
+
+
+def curve_points(runs: dict[float, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per floor: SemanticSpec ``all``'s overall pass@1 (interval), time per problem, speed-up
+    against the target, step acceptance and its paired difference to the target."""
+    points = []
+    for floor, metrics in sorted(runs.items()):
+        m = metrics.get(OVERALL, {}).get(CURVE)
+        if m is None:
+            continue
+        points.append(
+            {
+                "min_ratio": floor,
+                **{k: m.get(k) for k in ("pass@1", "pass@1_ci95", "cost_s", "speedup_latency")},
+                **{k: m.get(k) for k in ("step_acceptance", "delta_vs_target", "delta_vs_target_ci95")},
+            }
+        )
+    return points
+
+
+def with_curve(metrics: dict[str, Any], runs: dict[float, dict[str, Any]]) -> dict[str, Any]:
+    """The study's summary with each floor's SemanticSpec ``all`` beside its methods (``all, min_ratio F``),
+    for the figure."""
+    overall = dict(metrics.get(OVERALL, {}))
+    for floor, run in sorted(runs.items()):
+        if (m := run.get(OVERALL, {}).get(CURVE)) is not None:
+            overall[f"{CURVE}, min_ratio {floor:g}"] = m
+    return {**metrics, OVERALL: overall}
+
+
+COLUMNS = [  # (header, key, format)
+    ("pass@1", "pass@1", "{:.3f}"),
+    ("95% CI", "pass@1_ci95", "[{:.3f}, {:.3f}]"),
+    ("vs target", "delta_vs_target", "{:+.3f}"),
+    ("(95%)", "delta_vs_target_ci95", "[{:+.3f}, {:+.3f}]"),
+    ("vs draft", "delta_vs_draft", "{:+.3f}"),
+    ("(95%)", "delta_vs_draft_ci95", "[{:+.3f}, {:+.3f}]"),
+    ("s/problem", "cost_s", "{:.1f}"),
+    ("x target", "speedup_latency", "{:.2f}"),
+    ("x llama.cpp", "speedup_vs_llamacpp", "{:.2f}"),
+    ("target share", "target_share", "{:.2f}"),
+    ("step acc", "step_acceptance", "{:.2f}"),
+    ("= draft's answer", "same_answer_as_draft", "{:.2f}"),
+    ("= target's answer", "same_answer_as_target", "{:.2f}"),
+    ("cut", "cut", "{:.2f}"),
+]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return ""
+    return fmt.format(*value) if isinstance(value, list | tuple) else fmt.format(value)
+
+
+def with_llamacpp(overall: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each method's speed-up against llama.cpp's target (its time per problem over the method's, the
+    same problems), where the study ran llama.cpp."""
+    base = overall.get(LLAMACPP, {}).get("cost_s")
+    return {
+        label: {**m, "speedup_vs_llamacpp": base / m["cost_s"] if base and m.get("cost_s") else None}
+        for label, m in overall.items()
+    }
+
+
+def table(overall: dict[str, dict[str, Any]]) -> str:
+    """The study's table (markdown), one row per method, in the evaluation's order."""
+    head = "| method | " + " | ".join(h for h, _, _ in COLUMNS) + " |"
+    rows = [head, "|---" * (len(COLUMNS) + 1) + "|"]
+    for label, m in with_llamacpp(overall).items():
+        rows.append(f"| {label} | " + " | ".join(_cell(m.get(k), f) for _, k, f in COLUMNS) + " |")
+    return "\n".join(rows)
+
+
+def curve_table(points: list[dict[str, Any]]) -> str:
+    """The operating curve (markdown): SemanticSpec ``all`` per floor on p/q."""
+    rows = [
+        "| min_ratio | pass@1 | 95% CI | vs target | (95%) | s/problem | x target | step acc |",
+        "|---" * 8 + "|",
+    ]
+    for p in points:
+        cells = [
+            f"{p['min_ratio']:g}",
+            _cell(p["pass@1"], "{:.3f}"),
+            _cell(p["pass@1_ci95"], "[{:.3f}, {:.3f}]"),
+            _cell(p["delta_vs_target"], "{:+.3f}"),
+            _cell(p["delta_vs_target_ci95"], "[{:+.3f}, {:+.3f}]"),
+            _cell(p["cost_s"], "{:.1f}"),
+            _cell(p["speedup_latency"], "{:.2f}"),
+            _cell(p["step_acceptance"], "{:.2f}"),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def report(metrics: dict[str, Any], points: list[dict[str, Any]], budget: int, cpu: str) -> str:
+    """``study.md``: what ran where (CPU, formats, problems, budget), the table and the curve."""
+    models = metrics.get("_models", {})
+    formats = "; ".join(f"{r}: {d.get('model_id')} ({d.get('dtype')})" for r, d in models.items())
+    counts = ", ".join(
+        f"{b}: {next(iter(m.values())).get('n')}"
+        for b, m in metrics.items()
+        if not b.startswith("_") and isinstance(m, dict) and m
+    )
+    return "\n\n".join(
+        [
+            "# The accuracy study",
+            f"CPU: {cpu}. Models: {formats}. Problems: {counts}. Budget: {budget} new tokens, greedy.",
+            table(metrics.get(OVERALL, {})),
+            "## The operating curve (SemanticSpec `all`, floor on p/q)",
+            curve_table(points),
+        ]
+    )
+
+
+def cpu_name() -> str:
+    """torch's CPU capability and the AMX / VNNI / bfloat16 flags, named beside every figure."""
+    import torch
+
+    flags = set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = set(next(ln for ln in text.splitlines() if ln.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        pass
+    shown = sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512_vnni", "avx_vnni")))
+    return f"{torch.backends.cpu.get_cpu_capability()} ({', '.join(shown) or 'no AMX/VNNI/bf16 flags'})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="qwen-coder")
+    ap.add_argument(
+        "--budget", type=int, default=None, help="skip the budget run: give every method N tokens"
+    )
+    ap.add_argument("--llamacpp", default=None, help="llama-server (or its folder): llama.cpp's target too")
+    ap.add_argument("--floors", type=float, nargs="*", default=[0.5, 1.0, 1.5, 2.0], help="min_ratio values")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if a.budget is not None and a.budget < 1:
+        ap.error("--budget takes a token count >= 1")
+    run = f"{a.pair}-study"
+    rows, reports = Path("eval") / run, Path("reports") / run
+    budget = a.budget
+    if budget is None:
+        budget = read_budget(
+            evaluate(a.pair, "budget", Path("eval") / f"{a.pair}-budget", reports, "budget", [])
+        )
+    log.info("study: every method gets %d new tokens", budget)
+    sets = [f"evaluate.decode.max_new_tokens={budget}"]
+    if a.llamacpp:
+        sets += ["evaluate.methods=[target,draft,specsampling,specreason,semanticspec,llamacpp]"]
+        sets += [f"evaluate.llamacpp_bin={a.llamacpp}"]
+    metrics = evaluate(a.pair, "study", rows / "main", reports, "metrics", sets)
+    runs = {}
+    for floor in a.floors:
+        out = rows / f"floor-{floor:g}"
+        share_baselines(rows / "main", out)  # the target's rows: decoded once
+        runs[floor] = evaluate(
+            a.pair, "study", out, reports, f"floor-{floor:g}",
+            [*sets[:1], "evaluate.methods=[target,semanticspec]", "evaluate.probe_variants=[all]",
+             f"evaluate.decode.min_ratio={floor:g}"],
+        )  # fmt: skip
+    points = curve_points(runs)
+    cpu = cpu_name()
+    (reports / "study.md").write_text(report(metrics, points, budget, cpu) + "\n")
+    (reports / "curve.json").write_text(json.dumps(points, indent=1))
+    figure = reports / "figure.json"  # the study's methods and the curve's points, as one summary
+    figure.write_text(json.dumps(with_curve(metrics, runs)))
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("figure.py")), "--metrics", str(figure),
+         "--out", str(reports / "pareto.png"), "--cpu", cpu],
+        check=True,
+    )  # fmt: skip
+    print((reports / "study.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
