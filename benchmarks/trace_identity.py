@@ -1,10 +1,12 @@
 """Same tokens before and after a refactor: every decoding method's full trace on a few questions.
 
     python benchmarks/trace_identity.py record OUT.json [--pair qwen-coder] [--n 4] [--max-new-tokens 96]
+                                                        [--probes FOLDER]
     python benchmarks/trace_identity.py compare BEFORE.json AFTER.json
 
 ``record`` decodes ``--n`` arithmetic test problems through ``semspec.load(pair)`` (the registered probes,
-or the shipped ones) with every method, greedy and sampled, and SemanticSpec under the settings that force
+or the shipped ones; ``--probes``: an exported folder, so that records made before and after a change
+read the same probes whatever the registry's champions are by then) with every method, greedy and sampled, and SemanticSpec under the settings that force
 rejections (the p/q floor, the target's rule, the token check, the rejection budget, salvage, look-ahead
 scoring with gamma 2), and writes each answer's text, tokens and steps (author, text, p, q, u, tok, the
 rejected proposal). ``compare`` checks two records field by field over the fields both have (a field a
@@ -39,13 +41,13 @@ CASES = [
 TOKEN_LEVEL = [("specsampling", "specsampling", {})]
 
 
-def record(out: Path, pair: str | None, n: int, max_new_tokens: int) -> None:
+def record(out: Path, pair: str | None, n: int, max_new_tokens: int, probes: str | None = None) -> None:
     """Decode every case and write the traces to ``out``."""
     import semspec
     from semspec.tasks.data import generate_arith
 
     questions = [p.question for p in generate_arith(n, split="test")]
-    llm = semspec.load(pair)
+    llm = semspec.load(pair, probes=probes)
     traces: dict[str, list[dict]] = {}
     for name, method, settings in CASES:
         dec = llm.decoder(method, max_new_tokens=max_new_tokens, seed=7, **settings)
@@ -99,12 +101,15 @@ def main() -> None:
     r.add_argument("--pair", default=None)
     r.add_argument("--n", type=int, default=4)
     r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument(
+        "--probes", default=None, help="an exported probe folder (default: the registry's champions)"
+    )
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     a = ap.parse_args()
     if a.cmd == "record":
-        record(a.out, a.pair, a.n, a.max_new_tokens)
+        record(a.out, a.pair, a.n, a.max_new_tokens, a.probes)
     else:
         sys.exit(1 if compare(a.before, a.after) else 0)
 
