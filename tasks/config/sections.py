@@ -22,6 +22,7 @@ from semspec.models.spec.names import (
 from semspec.models.spec.settings import DecodeSettings
 
 EXECUTORS = ("ray", "local")
+EVAL_METHODS = (*METHODS, LLAMACPP)  # what evaluate.methods may name (llamacpp: llama.cpp's target)
 
 
 def _positive(where: str, **values: float) -> None:
@@ -285,8 +286,7 @@ class EvaluateConfig:
     batch_size: int = 1  # problems decoded at once by step-level methods (token-level: one at a time)
     actors: int | None = None  # Ray actors, each a replica of the pair (None: one per GPU if cuda, else 0)
     probe_domain: str = ALL_DOMAINS  # which domain's probes semanticspec loads (train.domains); `all`: pooled
-    # the llamacpp method's llama-server (the binary or its folder; null: the one on the PATH)
-    llamacpp_bin: str | None = None
+    llamacpp_bin: str | None = None  # the llamacpp method's llama-server (binary or folder; null: PATH)
 
     def __post_init__(self) -> None:
         check_domain(self.probe_domain)
@@ -297,10 +297,8 @@ class EvaluateConfig:
             )
         if any(not isinstance(v, int) or v < 0 for v in self.benchmarks.values()):
             raise ValueError("evaluate: field 'benchmarks' maps names to problem counts >= 0 (0: all)")
-        if not self.methods or set(self.methods) - {*METHODS, LLAMACPP}:
-            raise ValueError(
-                f"evaluate: field 'methods' must be a non-empty subset of {(*METHODS, LLAMACPP)}"
-            )
+        if not self.methods or set(self.methods) - set(EVAL_METHODS):
+            raise ValueError(f"evaluate: field 'methods' must be a non-empty subset of {EVAL_METHODS}")
         if set(self.probe_variants) - set(PROBE_VARIANTS):
             raise ValueError(f"evaluate: field 'probe_variants' must be a subset of {PROBE_VARIANTS}")
         if not self.seeds:
