@@ -294,7 +294,7 @@ def decode_all(
     """Answer every question with ``decoder``: batched when it can be (a ``BatchDecoder``, or any decoder
     with a ``decode_batch`` of the same signature), else one at a time (the token-level baselines).
     ``on_result(i, result)`` sees each result as it is ready."""
-    if isinstance(decoder, BatchDecoder) or callable(getattr(decoder, "decode_batch", None)):
+    if callable(getattr(decoder, "decode_batch", None)):
         return decoder.decode_batch(questions, batch_size, on_result=on_result)
     results = []
     for i, question in enumerate(questions):

@@ -142,9 +142,8 @@ def charged(phase: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            call = sig.bind(
-                *args, **kwargs
-            )  # a call that cannot bind fails here, as it would, before it runs
+            # a call that cannot bind fails here, as it would, before it runs
+            call = sig.bind(*args, **kwargs)
             call.apply_defaults()
             bound = call.arguments
             rows = bound[which] if which == "rows" else [bound[which]]
