@@ -17,12 +17,14 @@ reads half (int8) or a quarter (int4) of bfloat16's bytes: decoding is bound by 
 call with many rows (a prompt, a step's verification prefill) is compute-bound. The int4 kernel has
 register tiles for those (``int4_kernel``), close to a dense bfloat16 GEMM, so int4 runs every call from
 its int weights and keeps no dense copy, except with AMX, whose bfloat16 GEMM is several times faster:
-there calls above 6 rows run on a bfloat16 copy of the dequantized weights. The int8 kernel has no such
-tiles: its many-row calls run dense, on the same weights, through a bfloat16 copy (native bfloat16, kept
-in oneDNN's blocked layout by ``onednn_pack``: packed once at load, faster for many rows than a
-plain weight) or through float32 weights dequantized for that call (no native bfloat16: a float32 copy
-would cost 4x the int8 bytes). Where each path stops paying was measured per CPU kind on one linear layer
-of the 1.5B target (``docs/formats.md``): hence ``DENSE_ROWS``.
+there calls above 6 rows run on a bfloat16 copy of the dequantized weights. The int8 kernel's many-row calls
+run register tiles too (3 rows share each widened weight vector, the rows taken in chunks that stay in
+cache), and without native bfloat16 int8 runs every call through them: no call dequantizes a layer (a
+float32 copy per call moves 4x the int8 bytes; docs/formats.md compares the two). With native bfloat16 int8's
+many-row calls run dense, on the same weights, through a bfloat16 copy kept in oneDNN's blocked layout by
+``onednn_pack`` (packed once at load, faster for many rows than a plain weight). Where each path stops
+paying was measured per CPU kind on one linear layer of the 1.5B target (``docs/formats.md``): hence
+``DENSE_ROWS``.
 
 torchao 0.18 was measured too and is not used: its int8 weight-only tensor dequantizes the whole weight
 on every eager call on CPU (slower than dense bfloat16 per call), and the wheel on PyPI carries no CPU
@@ -49,14 +51,15 @@ QUANTIZED = ("int8", "int4")
 FORMATS = (*DENSE_DTYPES, *QUANTIZED, "auto")
 INT4_GROUP = 32  # input channels per int4 scale and zero (the kernel takes 32, 64, 128 or 256)
 INT8_K_MULTIPLE = 16  # int8 weights' input width: a multiple of this (the kernel's blocks; PyTorch's op too)
-# calls with more rows than this run dense: (format, native bfloat16?) -> rows, read off docs/formats.md's tables
-# (native: where the int kernel stops beating AMX; AVX2: between the 48 rows where int8 wins and the
-# 384 where float32 wins by 2x, interpolated)
-# (int4 without native bfloat16 has no dense path: PyTorch's int4 packing has no cheap inverse, and a
-# float32 copy would cost 8x their memory)
-# (int4 with AVX512_BF16 has none either: the int4 kernel's tiles run many-row calls close to a dense
-# bfloat16 GEMM, for a quarter of its memory)
-DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): 64, ("int4", False): None}
+# calls with more rows than this run dense, on a bfloat16 copy kept at load: (format, native bfloat16?) -> rows
+# (None: every call runs the int kernel), read off docs/formats.md's tables (native: where the int kernel
+# stops beating AMX)
+# (int4 and int8 without native bfloat16: a bfloat16 GEMM there is 3-5x slower than float32, a float32
+# copy would cost 4x (int8) or 8x (int4) their memory, and the kernels' tiles beat dequantizing per call
+# up to about 128 rows, within 1.7x above)
+# (int4 with AVX512_BF16: the int4 kernel's tiles run many-row calls close to a dense bfloat16 GEMM, for
+# a quarter of its memory)
+DENSE_ROWS = {("int8", True): 4, ("int4", True): None, ("int8", False): None, ("int4", False): None}
 # With AMX, oneDNN's bfloat16 GEMM of a dequantized copy runs on AMX's tiles, several times faster than
 # the int4 kernel for many rows: there int4 keeps the copy, for calls above 6 rows (measured on a
 # 1536 -> 8960 layer: docs/formats.md)
@@ -72,9 +75,16 @@ class Format:
     name: str  # float32 | float16 | bfloat16 | int8 | int4
     activations: torch.dtype  # hidden states, attention, norms, KV cache (pooled features are float32)
     dense_rows: int | None = None  # quantized: calls with more rows than this run dense (None: none do)
-    dense_copy: bool = False  # quantized: keep the bfloat16 weight for them (else dequantize to float32)
+    dense_copy: bool = False  # quantized: the bfloat16 copy they multiply by is kept (needed with dense_rows)
     requested: str = ""  # what the model config said (``auto`` or the name)
     reason: str = ""  # why, for a person reading a figure
+
+    def __post_init__(self) -> None:
+        if self.name in QUANTIZED and self.dense_rows is not None and not self.dense_copy:
+            raise ValueError(
+                f"a {self.name} format whose calls above {self.dense_rows} rows run dense needs dense_copy=True "
+                "(the kept bfloat16 copy they multiply by); dense_rows=None runs every call through the int kernel"
+            )
 
     @property
     def quantized(self) -> bool:
@@ -92,7 +102,7 @@ class Format:
             return self.name
         if self.dense_rows is None:
             return self.name
-        dense = "bfloat16" if self.dense_copy else "float32"
+        dense = str(self.activations).removeprefix("torch.")  # the kept copy's dtype
         return f"{self.name} ({dense} above {self.dense_rows} rows)"
 
     def describe(self) -> str:
@@ -106,10 +116,9 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
     one; tests inject flags). The rule for ``auto``: bfloat16 on a GPU; on a CPU where semspec's int4
     kernel runs (AVX512_BF16, or AVX2 and FMA: its AVX2 build, int8 activations) ``int4``, every call
     through the int4 kernel, except that with AMX calls above 6 rows run in bfloat16 on a dequantized copy
-    (AMX's GEMM is several times faster there); on any other CPU ``int8`` (PyTorch's op), whose dense calls
-    run in float32 (bfloat16 without native support is 3-5x slower than float32 for every call with many
-    rows). ``int8`` asked for by name keeps its dense calls: bfloat16 with AMX, float32 without native
-    bfloat16."""
+    (AMX's GEMM is several times faster there); on any other CPU ``int8`` (PyTorch's op). ``int8`` asked for
+    by name runs its calls above 4 rows on a bfloat16 copy where the CPU has native bfloat16, and every call
+    through its kernel (tiles for many rows) where it has not."""
     if requested not in FORMATS:
         raise ValueError(f"field 'dtype' must be one of {FORMATS}, got {requested!r}")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -142,11 +151,11 @@ def resolve_format(requested: str, device: str = "cpu", cpu: CpuInfo | None = No
     if rows is None:
         reason = f"{cpu.label()}: {name} weights{kernel} for every call, no dense copy"
     else:
-        dense = "bfloat16 (a dequantized copy)" if native else "float32 (dequantized per call)"
         reason = (
-            f"{cpu.label()}: {name} weights{kernel} for calls of up to {rows} rows (decoding), {dense} above"
+            f"{cpu.label()}: {name} weights{kernel} for calls of up to {rows} rows (decoding), "
+            "bfloat16 (a dequantized copy) above"
         )
-    return Format(name, torch.bfloat16, rows, native and rows is not None, requested=requested, reason=reason)
+    return Format(name, torch.bfloat16, rows, rows is not None, requested=requested, reason=reason)
 
 
 # ----------------------------------------------------------------------------------- quantized layers
@@ -202,8 +211,8 @@ def quantize_int4(
 
 class QuantLinear(nn.Module):
     """A weight-only quantized ``nn.Linear``: calls of up to ``dense_rows`` rows run the int kernel,
-    larger ones a dense GEMM (the kept bfloat16 weight, or float32 weights dequantized for the call).
-    Input and output are in the activation dtype."""
+    larger ones a dense GEMM on the copy of the dequantized weights kept at load (``dense_rows`` None: every
+    call runs the int kernel). Input and output are in the activation dtype."""
 
     def __init__(self, linear: nn.Linear, fmt: Format) -> None:
         super().__init__()
@@ -320,7 +329,7 @@ class QuantLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The int8 weight as the kernel sees it, (N, K) in ``dtype`` (int4 layers: ``_dequantized_all``)."""
         if self.bits != 8:
-            raise ValueError("only int8 weights are dequantized per call; int4 keeps a dense copy or none")
+            raise ValueError("dequantized() is int8's (N, K) weight; an int4 layer's is _dequantized_all()")
         return self.int8_weight().to(dtype) * self.scales.to(dtype)[:, None]
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,10 +356,8 @@ class QuantLinear(nn.Module):
             and x2.dtype == self._dense_packed.dtype
         ):
             y = onednn_linear(x2, self._dense_packed)  # (M, N)
-        elif self.dense is not None or self._dense_packed is not None:
+        else:  # the plain copy (Format makes every layer with dense_rows keep one)
             y = nn.functional.linear(x2, self.dense_weight())
-        else:
-            y = nn.functional.linear(x2.float(), self.dequantized(torch.float32)).to(self.act)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

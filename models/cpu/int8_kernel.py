@@ -7,7 +7,9 @@ only). Decoding one token reads every weight once, so that kernel sets the decod
 16 int8 weights to float32 per instruction (8 in its AVX2 build) and accumulates in float32, on weights
 ``pack`` lays out in blocks of 8 output channels: each block is one sequential stream, its 8 dot
 products share every load of x, and two rows of x (AVX-512; one in the AVX2 build) share every weight
-load, the next rows finding the block still in cache. Measurements: ``docs/formats.md``.
+load. Calls of 3 rows or more run register tiles (3 rows share each widened weight vector) over chunks of
+rows that stay in cache, so no call needs a dense copy of the weights; every output sums in the same
+order either way (a row's result does not depend on its batch). Measurements: ``docs/formats.md``.
 
 Its source is ``csrc/int8.cpp``, built for AVX-512 or AVX2 and loaded by ``build.load`` (the
 best build the CPU runs, or the one ``SEMSPEC_KERNELS`` names). Where the CPU lacks AVX2/FMA, no compiler

@@ -41,7 +41,7 @@ QUESTION = "What is 12 * 7?"
     [
         (AVX2, "int4", False, None),  # the int4 kernel's AVX2 build, int8 activations, every call
         (AVX512, "int4", False, None),  # the same build
-        (OLD, "int8", False, 64),
+        (OLD, "int8", False, None),  # every call through the int8 kernel (tiles for many rows)
         (AVX512_BF16, "int4", False, None),  # the int4 kernel's tiles run every call: no dense copy
         (AMX, "int8", True, 4),  # (these flags lack FMA: no int4 kernel)
         (BF16_AND_AMX, "int4", True, 6),  # AMX's bfloat16 GEMM overtakes the int4 kernel above 6 rows
@@ -53,11 +53,10 @@ def test_auto_is_int4_where_its_kernel_runs_else_int8_with_dense_calls_in_the_cp
     fmt = resolve_format("auto", "cpu", cpu)
     assert fmt.name == name and fmt.activations == torch.bfloat16
     assert fmt.dense_copy is dense_copy and fmt.dense_rows == rows
-    dense = "bfloat16" if dense_copy else "float32"
-    label = name if rows is None else f"{name} ({dense} above {rows} rows)"
+    label = name if rows is None else f"{name} (bfloat16 above {rows} rows)"
     assert fmt.label() == label
     assert fmt.describe().startswith(f"auto -> {label}: {cpu.capability}, ")
-    assert ("no dense copy" in fmt.describe()) is (rows is None and name == "int4")
+    assert ("no dense copy" in fmt.describe()) is (rows is None)
     assert ("no native bf16" in fmt.describe()) is not cpu.native_bf16
     assert ("semspec's int4 kernel" in fmt.describe()) is (name == "int4")
 
@@ -186,16 +185,18 @@ def test_int4_quantization_gives_its_dense_copy_in_the_same_pass_bit_for_bit(dty
     assert dense.dtype == dtype and torch.equal(dense, want)
 
 
-@pytest.mark.parametrize("dense_copy", [True, False])
+@pytest.mark.parametrize("dense_rows", [4, None])
 def test_a_quantized_layer_runs_few_rows_through_its_kernel_and_many_rows_dense_on_the_same_weights(
-    dense_copy,
+    dense_rows,
 ):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
-    q = QuantLinear(lin, Format("int8", torch.float32, dense_rows=4, dense_copy=dense_copy))
+    q = QuantLinear(
+        lin, Format("int8", torch.float32, dense_rows=dense_rows, dense_copy=dense_rows is not None)
+    )
     exact = q.dequantized()  # (N, K): what the int kernel multiplies by
-    assert (q.dense is not None) is dense_copy
-    if dense_copy:
+    assert (q.dense is not None) is (dense_rows is not None)
+    if dense_rows is not None:
         assert torch.equal(q.dense, exact), "the dense copy is the int weights dequantized"
     few, many = torch.randn(2, 2, 64), torch.randn(2, 5, 64)  # 4 rows: the kernel; 10 rows: dense
     assert torch.allclose(q(few), few @ exact.t() + lin.bias, atol=1e-5)
@@ -252,7 +253,7 @@ def test_an_int4_layers_dense_copy_is_its_int_weights():
 @pytest.mark.parametrize(("inputs", "outputs"), [(48, 16), (64, 24), (64, 40)])
 def test_a_shape_int4s_kernel_cannot_take_stays_dense(inputs, outputs):
     # torch's int4 packing takes output widths that are multiples of 16 only (a RuntimeError otherwise)
-    fmt = Format("int4", torch.bfloat16, dense_rows=8)
+    fmt = Format("int4", torch.bfloat16, dense_rows=8, dense_copy=True)
     with pytest.raises(ValueError, match=f"{inputs} -> {outputs} linear layer: int4 needs an input width"):
         QuantLinear(torch.nn.Linear(inputs, outputs), fmt)
     model = torch.nn.Sequential(torch.nn.Linear(64, inputs), torch.nn.Linear(inputs, outputs))
@@ -341,3 +342,10 @@ def test_every_decoder_runs_on_int8_models():
         assert res.output_tokens > 0, dec.method
         if dec.method in ("semanticspec", "specsampling"):
             assert res.text == ref.text, f"{dec.method} on int8 is not the target's greedy output"
+
+
+def test_a_quantized_format_that_runs_calls_dense_must_keep_the_copy_they_multiply_by():
+    with pytest.raises(ValueError, match="calls above 64 rows run dense needs dense_copy=True"):
+        Format("int8", torch.bfloat16, dense_rows=64)
+    assert Format("int8", torch.bfloat16).dense_rows is None  # every call through the int kernel
+    assert Format("bfloat16", torch.bfloat16, dense_rows=4).label() == "bfloat16"  # dense formats: no rule

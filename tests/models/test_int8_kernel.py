@@ -55,6 +55,26 @@ def test_the_kernel_is_the_int8_product(fresh, monkeypatch, target, dtype, m, k,
 
 
 @needs_build
+@pytest.mark.parametrize("target", HERE)
+@pytest.mark.parametrize("k", [1536, 8960])
+def test_a_rows_result_is_the_same_alone_in_a_tile_or_in_a_later_chunk_of_rows(fresh, monkeypatch, target, k):
+    """One row alone streams the weights; among 40 it runs in tiles of rows, in chunks of rows that fit a
+    core's cache (a handful of rows at K=8960, so several chunks and a row left over): every output is
+    summed in the same order, bit for bit, and is the int8 product."""
+    monkeypatch.setenv("SEMSPEC_KERNELS", target.lower())
+    kernel = int8_kernel.int8_mm()
+    torch.manual_seed(k)
+    q, scales = torch.randint(-127, 128, (24, k), dtype=torch.int8), torch.rand(24) * 0.01 + 1e-3
+    x = torch.randn(40, k)  # (M, K)
+    packed = int8_kernel.pack(q)
+    many = kernel(x, packed, scales)  # (40, 24)
+    for row in (0, 2, 13, 38, 39):
+        assert torch.equal(kernel(x[row : row + 1], packed, scales)[0], many[row]), f"row {row}"
+    assert torch.equal(kernel(x[:5], packed, scales), many[:5]), "a tile and a streamed pair of rows"
+    assert torch.allclose(many.double(), _reference(x, q, scales), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@needs_build
 def test_it_agrees_with_pytorchs_op_on_a_model_layer(fresh):
     kernel = int8_kernel.int8_mm()
     torch.manual_seed(0)
@@ -94,12 +114,14 @@ def test_a_quantized_layer_sends_its_int8_calls_to_the_kernel(monkeypatch):
             return torch.ops.aten._weight_int8pack_mm(x, int8_kernel.unpack(q), scales)
 
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: Spy({}, "AVX512"))
-    layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8))
+    layer = QuantLinear(
+        torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8, dense_copy=True)
+    )
     assert layer.packed and layer.qweight.shape == (2, 4, 8, 16)
     for rows in (1, 2, 3, 12):  # 12: dense
         layer(torch.randn(rows, 64).to(torch.bfloat16))
     assert calls == [1, 2, 3], "the kernel for every call of up to dense_rows rows, a dense GEMM above"
-    odd = QuantLinear(torch.nn.Linear(48, 12), Format("int8", torch.bfloat16, dense_rows=8))
+    odd = QuantLinear(torch.nn.Linear(48, 12), Format("int8", torch.bfloat16, dense_rows=8, dense_copy=True))
     assert not odd.packed and odd.qweight.shape == (12, 48), "12 outputs: a shape the layout does not take"
     x = torch.randn(1, 48).to(torch.bfloat16)
     assert torch.equal(odd(x), torch.ops.aten._weight_int8pack_mm(x, odd.qweight, odd.scales) + odd.bias)
@@ -110,7 +132,7 @@ def test_a_quantized_layer_sends_its_int8_calls_to_the_kernel(monkeypatch):
 def test_an_input_width_no_int8_kernel_takes_stays_dense(width):
     # PyTorch's op, the only other int8 kernel, returns garbage or NaN for such a width and crashes on
     # several rows (torch 2.13, CPU): such a layer is refused, and a model keeps it dense
-    fmt = Format("int8", torch.bfloat16, dense_rows=8)
+    fmt = Format("int8", torch.bfloat16, dense_rows=8, dense_copy=True)
     with pytest.raises(
         ValueError, match=f"{width} -> 16 linear layer: int8 needs an input width that is a multiple of 16"
     ):
@@ -136,7 +158,9 @@ def test_packing_keeps_every_weight_and_refuses_a_shape_it_cannot_take():
 def test_a_packed_layer_turned_off_after_loading_still_multiplies(fresh, monkeypatch):
     if not BUILDABLE:
         pytest.skip("needs an AVX2/FMA CPU and a C++ compiler")
-    layer = QuantLinear(torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8))
+    layer = QuantLinear(
+        torch.nn.Linear(64, 16), Format("int8", torch.bfloat16, dense_rows=8, dense_copy=True)
+    )
     assert layer.packed
     x = torch.randn(2, 64).to(torch.bfloat16)
     on = layer(x)
@@ -154,7 +178,9 @@ def test_an_int8_model_says_which_kernel_decodes(monkeypatch):
     from tests.helpers.tiny import tiny_lm
 
     base = tiny_lm()
-    lm = LM(base.model, base.tokenizer, base.config, Format("int8", torch.bfloat16, dense_rows=4))
+    lm = LM(
+        base.model, base.tokenizer, base.config, Format("int8", torch.bfloat16, dense_rows=4, dense_copy=True)
+    )
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: None)
     assert "; int8 calls: PyTorch's _weight_int8pack_mm;" in lm.describe()["why"]
     monkeypatch.setattr(int8_kernel, "int8_mm", lambda: int8_kernel._Kernel({}, "AVX2"))

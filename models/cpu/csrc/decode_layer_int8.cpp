@@ -24,8 +24,8 @@ static void gate_up(const float* px, int64_t M, int64_t H, const void* gwv, cons
   for (int64_t b = 0; b < I / PJ; ++b) {  // one packed block of gate and of up channels
     float g[PJ], u[PJ];
     for (int64_t m = 0; m < M; ++m) {
-      dot_block<1>(px + m * H, H, gw + b * PJ * H, g);
-      dot_block<1>(px + m * H, H, uw + b * PJ * H, u);
+      dot_tile<1, PJ>(px + m * H, H, gw + b * PJ * H, 0, g);
+      dot_tile<1, PJ>(px + m * H, H, uw + b * PJ * H, 0, u);
       for (int j = 0; j < PJ; ++j) {
         const int64_t n = b * PJ + j;
         const float gv = rb(g[j] * bf16_to_f32(gs[n])), uv = rb(u[j] * bf16_to_f32(us[n]));
