@@ -49,6 +49,9 @@ class Timings:
     share: float = 0.0  # machine time: each batched call's time divided among its rows (batch 1: total)
 
 
+PHASES = ("draft", "verify", "target", "probe")  # the Timings fields a model call is charged to (@charged)
+
+
 @dataclass
 class DecodeResult:
     """What every decoder returns."""
@@ -131,8 +134,8 @@ def charged(phase: str) -> Callable[[F], F]:
     ``probe``), or ``role``: the call's ``role`` argument names it. Timing is declared on the few methods
     that call a model, so the algorithm's code carries no clocks."""
 
-    if phase not in ("role", "draft", "verify", "target", "probe"):
-        raise TypeError(f"@charged({phase!r}): a phase is draft, verify, target, probe or role")
+    if phase not in ("role", *PHASES):
+        raise TypeError(f"@charged({phase!r}): a phase is one of {PHASES} or role")
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)

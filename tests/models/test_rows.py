@@ -57,9 +57,12 @@ def test_charged_adds_a_call_s_time_to_each_row_it_was_given():
     ``role`` the call's role argument names the phase; a function without rows, or a phase that is not one,
     cannot be charged."""
     import time
+    from dataclasses import fields
     from types import SimpleNamespace
 
-    from semspec.models.spec.results import Timings, charged
+    from semspec.models.spec.results import PHASES, Timings, charged
+
+    assert set(PHASES) == {f.name for f in fields(Timings)} - {"total", "share"}, "a phase is a Timings field"
 
     def row() -> SimpleNamespace:
         return SimpleNamespace(res=SimpleNamespace(timings=Timings()))
