@@ -151,8 +151,8 @@ def test_the_openai_client_against_the_embedded_pair(served):
 @pytest.mark.parametrize(
     ("path", "method", "examples"),
     [
-        ("/v1/chat/completions", "POST", 16),
-        ("/v1/completions", "POST", 10),
+        ("/v1/chat/completions", "POST", 10),
+        ("/v1/completions", "POST", 6),
         ("/v1/models", "GET", 2),
         ("/health", "GET", 2),
     ],
