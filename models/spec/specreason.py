@@ -9,7 +9,6 @@ from semspec.models.lm import (
     LM,
     LMState,
     StepStart,
-    crop_to,
 )
 from semspec.models.spec.batching import (
     Row,
@@ -41,6 +40,8 @@ class SpecReasonVerifier:
         self.prompt = target.next_turn(instruction, lead)
         ids = [target.plain_ids(str(d)) for d in range(10)]
         self.digits = {i[0]: d for d, i in enumerate(ids) if len(i) == 1}
+        # the verification turn's length, with room for tokens that merge across its boundary
+        self.turn_tokens = len(target.plain_ids(self.prompt)) + 8
 
     def rate(self, states: list[LMState], step_texts: list[str]) -> list[tuple[int, LMState, int]]:
         """Score each row's step 0-9 (the target's greedy token after the verification turn; 0 when it is
@@ -49,13 +50,14 @@ class SpecReasonVerifier:
         Returns per row the score, the target state extended by the step (the turn is cropped away) and
         the number of step tokens prefilled."""
         stepped = self.target.extend_many(states, step_texts)
-        kept = [(st.text, list(st.ids), st.logits, st.hidden) for st, _, _, _ in stepped]
+        # the turn is taken back after scoring: a crop where every position is still cached, else a copy (a
+        # sliding-window layer may drop the step's positions while it reads the turn)
+        restores = [st.checkpoint(self.turn_tokens) for st, _, _, _ in stepped]
         prompted = self.target.extend_many([st for st, _, _, _ in stepped], [self.prompt] * len(states))
         out = []
-        for (st2, _, _, _), keep, (_, ids, _, _) in zip(prompted, kept, stepped, strict=True):
+        for (st2, _, _, _), restore, (_, ids, _, _) in zip(prompted, restores, stepped, strict=True):
             score = self.digits.get(int(torch.argmax(st2.logits)), 0)
-            crop_to(st2.cache, len(keep[1]))
-            out.append((score, LMState(keep[0], keep[1], st2.cache, keep[2], keep[3]), len(ids)))
+            out.append((score, restore(), len(ids)))
         return out
 
 
@@ -87,7 +89,8 @@ class SpecReasonDecoder(DraftTarget):
         d_restores = self.proposer.checkpoints(rows, [r.step_budget(s, self.draft) + 8 for r in rows])
         proposals = self.proposer.propose(rows, 1)
         steps = [proposals[r.index][0][0] for r in rows]
-        t_restores = [r.target.checkpoint(self.target.config.max_step_tokens * 2 + 64) for r in rows]
+        room = self.target.config.max_step_tokens * 2 + self.verifier.turn_tokens  # the step, then the turn
+        t_restores = [r.target.checkpoint(room) for r in rows]
         idx = [b for b, step in enumerate(steps) if step.text]
         rated: dict[int, tuple[int, LMState, int]] = {}
         if idx:

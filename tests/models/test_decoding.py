@@ -4,6 +4,7 @@ cache consistency across accepts and rejects, different tokenizers on the two si
 from __future__ import annotations
 
 import pytest
+import torch
 
 from semspec.models.lm import StepStart
 from semspec.models.lm.forward import Forwards
@@ -388,3 +389,23 @@ def test_specreason_scores_the_greedy_token_and_a_non_digit_as_zero(favoured, sc
     proposed = [s for s in res.steps if s.score is not None]
     assert proposed and all(s.score == score for s in proposed)
     assert all((s.author == "draft") == (score >= 7) for s in proposed)
+
+
+@pytest.mark.parametrize("window", [12, 64])
+def test_specreason_rating_gives_back_the_step_state_when_the_turn_overflows_a_sliding_window(window):
+    from semspec.models.spec.specreason import SpecReasonVerifier
+    from tests.helpers.tiny import tiny_gemma_lm
+
+    target = tiny_gemma_lm(sliding_window=window)
+    verifier = SpecReasonVerifier(target)
+    contexts = ["Q: what is 7 times 8, and then add 5 to it?\nA:", "Q: x\nA:"]
+    rated = verifier.rate([target.prefill(c) for c in contexts], [" 7*8 = 56.\n\n", " so 61.\n\n"])
+    for (score, state, k), ctx, step in zip(rated, contexts, [" 7*8 = 56.\n\n", " so 61.\n\n"], strict=True):
+        ref, ids, _, _ = target.extend(target.prefill(ctx), step)
+        assert 0 <= score <= 9 and k == len(ids) and state.ids == ref.ids
+        torch.testing.assert_close(state.logits, ref.logits, atol=1e-4, rtol=1e-4)
+        # the cache holds the step and nothing of the turn: the next token reads as after a fresh prefill
+        after, _, _, _ = target.extend(state, " then")
+        torch.testing.assert_close(
+            after.logits, target.prefill(ctx + step + " then").logits, atol=1e-4, rtol=1e-4
+        )
