@@ -8,7 +8,8 @@ run's held-out test questions (``--run``, default ``data/<pair>-<profile>``: the
 and joint labels the champions were trained on; validation and test questions split as the profile's
 train stage split them) with the float32 and the float16 weights side by side: shipping refuses a
 variant whose true- or false-accept rate or AUROC moved by more than 0.005. Then it writes the checks
-CI replays (``write_checks``) and prints the folder's size (at most 30 MB).
+CI replays (``write_checks``), prints each variant's AUROC minus Random's with a 95% interval over the
+test questions (``gaps_to_random``) and the folder's size (at most 30 MB).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from semspec.models.project.probe_folder import SHIPPED_DIR, read_card
 from semspec.models.spec.names import ROLES
 from semspec.models.spec.probe import load_probe_folder
@@ -26,7 +29,8 @@ from semspec.tasks.config import load_params
 from semspec.tasks.probe_checks import to_float16, write_checks
 from semspec.tasks.probe_export import export_probes
 from semspec.tasks.train.data import load_joint_probe_data, load_routing_data, split_by_question
-from semspec.tasks.train.metrics import routing_table
+from semspec.tasks.train.fit import predict
+from semspec.tasks.train.metrics import auroc_gap, routing_table
 
 MOVED = 0.005  # the most float16 may move a routing rate or AUROC
 COMPARED = ("true_accept", "false_accept", "auroc")
@@ -53,6 +57,45 @@ def routing_of(folder: Path, data, test: set[str], val: set[str]) -> dict[str, d
         for v in card.variants
     }
     return routing_table(data, probes, test, val)
+
+
+def _probes(folder: Path, variants: list[str], role: str) -> dict:
+    card = read_card(folder)
+    return {
+        v: load_probe_folder(folder / card.probe(v, role).path, card.probe(v, role).sha256) for v in variants
+    }
+
+
+def gaps_to_random(folder: Path, run: Path, routing, test: set[str]) -> dict[str, dict[str, dict]]:
+    """Each variant's held-out AUROC minus Random's, with a 95% interval over test questions: per role
+    for 'in the largest cluster' (the probe's own task), and for routing (p/q against 'the target shares
+    the draft's step')."""
+    variants = [v for v in read_card(folder).variants if "@" not in v]
+    out: dict[str, dict[str, dict]] = {}
+    for role in ROLES:
+        data = load_joint_probe_data(
+            role, run / "samples", run / "cross", run / "labels" / "joint.parquet", variants
+        )
+        te = np.isin(data.question_id, sorted(test))
+        pred = {v: predict(pr, data.x[v][te]) for v, pr in _probes(folder, variants, role).items()}
+        out[role] = {
+            v: auroc_gap(data.in_largest[te], pred[v], pred["random"], data.question_id[te])
+            for v in variants
+            if v != "random"
+        }
+    te = np.isin(routing.question_id, sorted(test))
+    target, draft = _probes(folder, variants, "target"), _probes(folder, variants, "draft")
+    ratio = {
+        v: predict(target[v], routing.p_x[v][te]) / np.maximum(predict(draft[v], routing.q_x[v][te]), 1e-9)
+        for v in variants
+    }
+    shared = routing.share_target[te] > 0
+    out["routing"] = {
+        v: auroc_gap(shared, ratio[v], ratio["random"], routing.question_id[te])
+        for v in variants
+        if v != "random"
+    }
+    return out
 
 
 def main() -> None:
@@ -83,6 +126,12 @@ def main() -> None:
         if moved:
             sys.exit(f"float16 moved {', '.join(moved)} by more than {MOVED}: not shipped")
         checks = write_checks(half, data, test)
+        print("AUROC minus Random's on the test questions (95% interval, resampling questions):")
+        for what, rows in gaps_to_random(half, run, data, test).items():
+            for v, g in rows.items():
+                print(
+                    f"  {what:8s} {v:6s} {g['gap']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] ({g['groups']} questions)"
+                )
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(half, out)

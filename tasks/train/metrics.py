@@ -131,3 +131,29 @@ def routing_table(
                 out[variant] |= {"min_p": min_p, **p_rule_rates(p[on_te], shared[te], min_p)}
     out["oracle"] = routing_metrics(data.share_target[te], data.share_draft[te], shared[te])
     return out
+
+
+def auroc_gap(
+    label: np.ndarray, a: np.ndarray, b: np.ndarray, groups: np.ndarray, n_boot: int = 1000, seed: int = 0
+) -> dict[str, float]:
+    """AUROC of scores ``a`` minus AUROC of scores ``b`` for the same binary ``label`` (N,), with a 95%
+    percentile interval from resampling whole ``groups`` (the questions: samples of one question are not
+    independent, so resampling samples would make the interval too narrow). A resample with one class
+    only is drawn again."""
+    label, a, b = np.asarray(label, dtype=bool), np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if not len(label) == len(a) == len(b) == len(groups):
+        raise ValueError(
+            f"auroc_gap needs one label, score and group per sample: {len(label)}, {len(a)}, {len(b)}, {len(groups)}"
+        )
+    if not 0 < label.mean() < 1:
+        raise ValueError("auroc_gap needs samples of both classes")
+    names, idx = np.unique(np.asarray(groups), return_inverse=True)
+    members = [np.flatnonzero(idx == g) for g in range(len(names))]
+    rng, gaps = np.random.default_rng(seed), []
+    while len(gaps) < n_boot:
+        rows = np.concatenate([members[g] for g in rng.integers(0, len(names), len(names))])
+        if 0 < label[rows].mean() < 1:
+            gaps.append(roc_auc_score(label[rows], a[rows]) - roc_auc_score(label[rows], b[rows]))
+    lo, hi = np.percentile(gaps, [2.5, 97.5])
+    gap = roc_auc_score(label, a) - roc_auc_score(label, b)
+    return {"gap": float(gap), "lo": float(lo), "hi": float(hi), "groups": len(names)}

@@ -1132,3 +1132,24 @@ def test_a_resumed_sample_stage_batches_each_prefix_as_an_unbroken_run_does():
     assert ids({"p0", "p1", "p2"}) == [["p3", "p4", "p5"], ["p6"]]  # the unbroken run's groups, less one
     assert ids({"p3"}) == [["p0", "p1", "p2"], ["p4", "p5"], ["p6"]]
     assert ids({r["prefix_id"] for r in rows}) == []
+
+
+def test_auroc_gap_resamples_questions_and_finds_a_real_gap():
+    from semspec.tasks.train.metrics import auroc_gap
+
+    rng = np.random.default_rng(0)
+    label = rng.random(600) < 0.5
+    groups = np.repeat(np.arange(60), 10)
+    informed = label + rng.normal(0, 0.8, 600)  # AUROC ~0.8
+    noise = rng.normal(0, 1, 600)  # AUROC ~0.5
+    found = auroc_gap(label, informed, noise, groups)
+    assert (
+        found["groups"] == 60
+        and 0.15 < found["gap"] < 0.45
+        and found["lo"] > 0
+        and found["lo"] < found["gap"] < found["hi"]
+    )
+    same = auroc_gap(label, noise, noise + rng.normal(0, 1e-3, 600), groups)
+    assert same["lo"] < 0 < same["hi"]
+    with pytest.raises(ValueError, match="both classes"):
+        auroc_gap(np.ones(4, bool), noise[:4], noise[:4], groups[:4])
