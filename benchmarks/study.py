@@ -1,10 +1,13 @@
 """The accuracy study: the paper's Table 1 on a CPU, in one resumable command.
 
-    python benchmarks/study.py [--pair qwen-coder] [--budget N] [--llamacpp BIN] [--floors 0.5 1 1.5 2]
+    python benchmarks/study.py [--pair qwen-coder] [--budget N | --budget-sample N] [--llamacpp BIN]
+                               [--floors 0.5 1 1.5 2]
 
 1. **The budget** (skipped with ``--budget``): the target alone, greedy, on the study's problems under a
    budget far above what it needs (``--profile budget``); ``budget_90`` of its metrics is the least budget
-   at which 90% of its answers end by themselves, the budget every method then gets.
+   at which 90% of its answers end by themselves, the budget every method then gets. With
+   ``--budget-sample N``, on a seeded random N of them (each benchmark in proportion): the target alone
+   on every problem at a large budget takes about as long as one method of the study.
 2. **The study**: ``--profile study`` (every method on the same problems, greedy) at that budget, with
    llama.cpp's target on the same GGUF file where ``--llamacpp`` names a ``llama-server`` (or its folder).
 3. **The operating curve**: SemanticSpec ``all`` at each ``--floors`` value of ``min_ratio`` (a step is
@@ -48,6 +51,24 @@ def read_budget(metrics: dict[str, Any]) -> int:
             "larger one (--set evaluate.decode.max_new_tokens=N) or pass --budget N"
         )
     return budget
+
+
+def sample_sets(profile: str, n: int) -> list[str]:
+    """The ``--set`` that evaluates about ``n`` of ``profile``'s problems: a seeded random subset of each
+    benchmark, in proportion to its size (each keeps at least one)."""
+    from semspec.tasks.config import load_params
+    from semspec.tasks.evaluate.problems import eval_problems
+
+    cfg = load_params(profile=profile).evaluate
+    sizes = {
+        b: len(eval_problems(b, count, cfg.subset_seed, None, cfg.levels))
+        for b, count in cfg.benchmarks.items()
+    }
+    total = sum(sizes.values())
+    if not 0 < n < total:
+        raise ValueError(f"--budget-sample takes a count between 1 and the {total} problems of the study")
+    picked = {b: max(1, round(n * size / total)) for b, size in sizes.items()}
+    return ["evaluate.benchmarks={" + ", ".join(f"{b}: {k}" for b, k in picked.items()) + "}"]
 
 
 def evaluate(pair: str, profile: str, out: Path, reports: Path, name: str, sets: list[str]) -> dict:
@@ -193,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--budget", type=int, default=None, help="skip the budget run: give every method N tokens"
     )
+    ap.add_argument(
+        "--budget-sample", type=int, default=None,
+        help="measure the budget on a random N of the study's problems (in proportion per benchmark)",
+    )  # fmt: skip
     ap.add_argument("--llamacpp", default=None, help="llama-server (or its folder): llama.cpp's target too")
     ap.add_argument("--floors", type=float, nargs="*", default=[0.5, 1.0, 1.5, 2.0], help="min_ratio values")
     a = ap.parse_args(argv)
@@ -203,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, reports = Path("eval") / run, Path("reports") / run
     budget = a.budget
     if budget is None:
+        sets = sample_sets("budget", a.budget_sample) if a.budget_sample else []
+        name = f"budget-{a.budget_sample}" if a.budget_sample else "budget"
         budget = read_budget(
-            evaluate(a.pair, "budget", Path("eval") / f"{a.pair}-budget", reports, "budget", [])
+            evaluate(a.pair, "budget", Path("eval") / f"{a.pair}-{name}", reports, name, sets)
         )
     log.info("study: every method gets %d new tokens", budget)
     sets = [f"evaluate.decode.max_new_tokens={budget}"]

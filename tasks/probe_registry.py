@@ -174,13 +174,23 @@ def beats(score: float | None, current: tuple[bool, float | None]) -> bool:
 
 
 def promote(
-    pair: str, variant: str, versions: dict[str, str], score: float | None, force: bool = False
+    pair: str,
+    variant: str,
+    versions: dict[str, str],
+    score: float | None,
+    force: bool = False,
+    against: float | None = None,
 ) -> bool:
     """Tag both roles' new ``versions`` (role -> version) of ``variant`` with ``score`` and point
     ``champion`` at them when they beat the current champion (``beats``) or ``force``; returns whether
-    they became champion. Both roles move together: a variant's probes are judged as a pair."""
+    they became champion. Both roles move together: a variant's probes are judged as a pair. ``against``:
+    the champion's score on the steps ``score`` was measured on, which replaces its own tag (measured on
+    other steps) in the comparison."""
     client = mlflow.MlflowClient()
     current = champion_score(pair, variant)
+    where = ""
+    if against is not None and current[0]:
+        current, where = (True, against), " on the same held-out steps"
     for role, version in versions.items():
         if score is not None:
             client.set_model_version_tag(
@@ -188,13 +198,13 @@ def promote(
             )
     if not (force or beats(score, current)):
         log.info(
-            "%s probes of %s: routing score %s does not beat the champion's %s; the champion stays",
-            variant, pair, _fmt(score), _fmt(current[1]),
+            "%s probes of %s: routing score %s does not beat the champion's %s%s; the champion stays",
+            variant, pair, _fmt(score), _fmt(current[1]), where,
         )  # fmt: skip
         return False
     for role, version in versions.items():
         client.set_registered_model_alias(registered_name(pair, role, variant), CHAMPION, version)
-    log.info("%s probes of %s (routing score %s) are champion", variant, pair, _fmt(score))
+    log.info("%s probes of %s (routing score %s%s) are champion", variant, pair, _fmt(score), where)
     return True
 
 

@@ -42,6 +42,7 @@ from semspec.tasks.train.plots import variant_figure
 from semspec.tasks.train.registry import (
     PENDING_DIR,
     TRAIN_PARENT,
+    champion_probes,
     log_routing,
     promote_trained,
     tag_floors,
@@ -153,14 +154,14 @@ def _summarise(
     """On the parent run: the routing metrics (kept in ``done.metrics["_routing"]``), logged on the probe
     runs with the chosen floors tagged on their versions, and the variants figure; only the metrics when
     probes were kept locally (MLflow is gone)."""
-    routing = _routing(done.trained, samples_dir, cross_dir, labels_dir, run.cfg.variants)
+    routing, champions = _routing(done.trained, samples_dir, cross_dir, labels_dir, run.cfg.variants)
     if routing:
         done.metrics["_routing"] = routing
         if not done.kept:
             log_routing(routing, done.trained)
             tag_floors(routing, done.pointers)
     if not done.kept:
-        promote_trained(run.pair.name, done.pointers, routing, run.cfg.promote)
+        promote_trained(run.pair.name, done.pointers, routing, run.cfg.promote, champions)
         fig = variant_figure(done.metrics, run.pair.name)
         save_figure_atomic(fig, run.plots_dir / "probe-variants.png")
         mlflow.log_figure(fig, "probe-variants.png")  # once, on the parent run
@@ -254,24 +255,32 @@ def _routing(
     cross_dir: Path | None,
     labels_dir: Path,
     variants: list[str],
-) -> dict[str, dict[str, float]] | None:
+) -> tuple[dict[str, dict[str, float]] | None, dict[str, dict[str, float]]]:
     """The routing metrics of the pooled (all-domain) probes, or None without joint labels and cross
-    features. Test questions: those held out from both roles' probes."""
+    features; and those of each variant's current champion on the same steps, where it can read them
+    (``champion_probes``), for a promotion that compares like with like. Test questions: those held out
+    from both roles' probes."""
     keys = {
         (r, v): t for (r, k), t in trained.items() if k == probe_key(v := split_probe_key(k)[0], ALL_DOMAINS)
     }
     if cross_dir is None or {r for r, _ in keys} != set(ROLES):
-        return None
+        return None, {}
     data = load_routing_data(samples_dir, cross_dir, labels_dir / "joint.parquet", variants)
     if data is None:
-        return None
+        return None, {}
     tests = [set(t.data.question_id[t.masks["test"]].tolist()) for (r, _), t in keys.items()]
     vals = [set(t.data.question_id[t.masks["val"]].tolist()) for (r, _), t in keys.items()]
+    test, val = set.intersection(*tests), set.intersection(*vals)
     probes: dict[str, dict[str, nn.Module]] = {}
     for (role, variant), t in keys.items():
         t.fit(log_epochs=False)  # fitted already (tracked or kept): a no-op
         probes.setdefault(variant, {})[role] = t.probe
-    table = routing_table(data, probes, set.intersection(*tests), set.intersection(*vals))
+    table = routing_table(data, probes, test, val)
     for name, m in table.items():
         log.info("train: routing %s: %s", name, {k: round(v, 3) for k, v in m.items()})
-    return table
+    held = {v: pair for v in probes if (pair := champion_probes(keys, v)) is not None}
+    champions = routing_table(data, held, test, val) if held else {}
+    champions.pop("oracle", None)
+    for name, m in champions.items():
+        log.info("train: the %s champion on the same steps: %s", name, {k: round(v, 3) for k, v in m.items()})
+    return table, champions

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlflow
 import numpy as np
+from torch import nn
 
 from semspec.models.spec.names import ROLES
 from semspec.models.spec.probe import save_probe
@@ -24,8 +25,10 @@ from semspec.tasks.probe_registry import (
     MIN_P_TAG,
     MIN_RATIO_TAG,
     POINTERS_FILE,
+    TRACKING_ERRORS,
     ProbeRef,
     check_tracking,
+    load_probe,
     promote,
     register_probe,
     routing_score,
@@ -70,11 +73,15 @@ def promote_trained(
     pointers: dict[str, dict[str, Any]],
     routing: dict[str, dict[str, float]] | None,
     mode: str,
+    champions: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, bool]:
     """Make each variant's newly registered probes (``pointers``: ``<role>-<key>`` -> ProbeRef fields)
     champion when they route better on the held-out questions than the current champion (``promote``;
-    ``mode`` ``always``: whatever their score). A key without routing metrics (a per-domain probe, a run
-    without joint labels) is judged by no score. Returns key -> whether it became champion."""
+    ``mode`` ``always``: whatever their score). ``champions``: the current champions' routing metrics on
+    the same held-out steps, where they could be read (``champion_probes``): scores from different test
+    steps are not comparable, and a small run's few steps can score high by chance. A key without
+    routing metrics (a per-domain probe, a run without joint labels) is judged by no score. Returns
+    key -> whether it became champion."""
     keys = sorted({k.split("-", 1)[1] for k in pointers})
     out = {}
     for key in keys:
@@ -85,7 +92,29 @@ def promote_trained(
         }
         if versions:
             score = routing_score((routing or {}).get(key))
-            out[key] = promote(pair, key, versions, score, force=mode == "always")
+            against = (champions or {}).get(key)
+            out[key] = promote(
+                pair, key, versions, score, force=mode == "always",
+                against=None if against is None else routing_score(against),
+            )  # fmt: skip
+    return out
+
+
+def champion_probes(trained: dict[tuple[str, str], Trained], variant: str) -> dict[str, nn.Module] | None:
+    """The registry's current champion probes of ``variant`` (role -> probe), loaded only where they read
+    the hidden states these probes were trained on (the same model, width, pooling and format:
+    ``load_probe`` checks); None where there is no champion or it reads other features."""
+    out = {}
+    for role in ROLES:
+        t = trained[role, variant]
+        try:
+            out[role], _ = load_probe(
+                t.run.pair.name, role, variant, t.data.model_id, t.data.hidden_size,
+                pooling=t.run.pair.pooling, fmt=t.data.format,
+            )  # fmt: skip
+        except (ValueError, *TRACKING_ERRORS) as e:
+            log.info("train: the %s champion is not compared on these steps: %s", variant, e)
+            return None
     return out
 
 

@@ -74,6 +74,54 @@ def test_trained_probes_become_champion_only_when_they_route_better(project):
     assert _champion() == worse["target"]
 
 
+def test_the_champion_is_judged_on_the_new_run_s_own_steps_where_it_can_read_them(project):
+    from types import SimpleNamespace
+
+    from semspec.tasks.train.registry import champion_probes, promote_trained
+
+    first = _scored(project, 0, 0.9, 0.2)  # its own steps scored it 0.7
+    pointers = {f"{r}-all": {"name": registered_name(PAIR, r, "all"), "version": v} for r, v in first.items()}
+    promote_trained(PAIR, pointers, {"all": {"true_accept": 0.9, "false_accept": 0.2}}, "always")
+    new = _scored(project, 1, 0.6, 0.1)
+    for role, version in first.items():
+        mlflow.MlflowClient().set_registered_model_alias(
+            registered_name(PAIR, role, "all"), CHAMPION, version
+        )
+    pointers = {f"{r}-all": {"name": registered_name(PAIR, r, "all"), "version": v} for r, v in new.items()}
+    routing = {"all": {"true_accept": 0.6, "false_accept": 0.1}}  # 0.5: below the champion's tag (0.7)
+    same_steps = {"all": {"true_accept": 0.5, "false_accept": 0.2}}  # the champion on these steps: 0.3
+    assert promote_trained(PAIR, pointers, routing, "better", same_steps) == {"all": True}
+    assert _champion() == new["target"]
+    for role, version in first.items():
+        mlflow.MlflowClient().set_registered_model_alias(
+            registered_name(PAIR, role, "all"), CHAMPION, version
+        )
+    better_here = {"all": {"true_accept": 0.8, "false_accept": 0.1}}  # 0.7 on these steps: it stays
+    assert promote_trained(PAIR, pointers, routing, "better", better_here) == {"all": False}
+    assert _champion() == first["target"]
+
+    def trained(model_ids, fmt="float32"):
+        from tests.tasks.test_probe_export import HIDDEN
+
+        pair = SimpleNamespace(name=PAIR, pooling="predict")
+        return {
+            (role, variant): SimpleNamespace(
+                run=SimpleNamespace(pair=pair),
+                data=SimpleNamespace(model_id=model_ids[role], hidden_size=HIDDEN[role], format=fmt),
+            )
+            for role in ROLES
+            for variant in ("all", "last")
+        }
+
+    from tests.tasks.test_probe_export import MODEL_IDS
+
+    held = champion_probes(trained(MODEL_IDS), "all")
+    assert set(held) == set(ROLES)
+    assert champion_probes(trained({**MODEL_IDS, "target": "another/model"}), "all") is None
+    assert champion_probes(trained(MODEL_IDS, fmt="int4"), "all") is None  # other features: not compared
+    assert champion_probes(trained(MODEL_IDS), "last") is None  # no champion
+
+
 def test_import_if_better_keeps_a_better_champion_and_replaces_a_worse_one(project, monkeypatch):
     from semspec.tasks.probe_export import export_probes
     from semspec.tasks.probe_import import import_probes

@@ -62,3 +62,16 @@ def test_the_curve_has_one_point_per_floor_in_order_and_joins_the_figure():
         "AVX512 (amx_bf16)",
     )
     assert "Budget: 612 new tokens" in text and "target: T (int4)" in text and "arith: 4" in text
+
+
+def test_a_budget_sample_keeps_each_benchmark_s_share(monkeypatch):
+    import semspec.tasks.evaluate.problems as problems
+    from benchmarks.study import sample_sets
+
+    sizes = {"math500": 238, "arith": 100}
+    monkeypatch.setattr(problems, "eval_problems", lambda name, *a, **k: [None] * sizes[name])
+    assert sample_sets("budget", 80) == ["evaluate.benchmarks={math500: 56, arith: 24}"]
+    assert sample_sets("budget", 2) == ["evaluate.benchmarks={math500: 1, arith: 1}"]
+    for bad in (0, 338):
+        with pytest.raises(ValueError, match="between 1 and the 338 problems"):
+            sample_sets("budget", bad)
