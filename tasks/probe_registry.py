@@ -173,6 +173,11 @@ def beats(score: float | None, current: tuple[bool, float | None]) -> bool:
     return score is not None and score > best
 
 
+# a routing score stands for a run's probes against a champion only with this many held-out draft steps the
+# target shares, and as many it does not: on fewer, one step moves the false-accept rate by 5% or more
+MIN_JUDGED_STEPS = 20
+
+
 def promote(
     pair: str,
     variant: str,
@@ -180,12 +185,14 @@ def promote(
     score: float | None,
     force: bool = False,
     against: float | None = None,
+    judged: bool = True,
 ) -> bool:
     """Tag both roles' new ``versions`` (role -> version) of ``variant`` with ``score`` and point
     ``champion`` at them when they beat the current champion (``beats``) or ``force``; returns whether
     they became champion. Both roles move together: a variant's probes are judged as a pair. ``against``:
     the champion's score on the steps ``score`` was measured on, which replaces its own tag (measured on
-    other steps) in the comparison."""
+    other steps) in the comparison. ``judged`` False: too few steps stand behind ``score`` to judge by it
+    (``MIN_JUDGED_STEPS``); it is tagged, but replaces only a champion without a score."""
     client = mlflow.MlflowClient()
     current = champion_score(pair, variant)
     where = ""
@@ -196,6 +203,13 @@ def promote(
             client.set_model_version_tag(
                 registered_name(pair, role, variant), version, SCORE_TAG, f"{score:.6g}"
             )
+    if not (force or judged or not current[0] or current[1] is None):
+        log.info(
+            "%s probes of %s: too few held-out steps (under %d shared or not shared) to judge them against "
+            "the champion (routing score %s); the champion stays",
+            variant, pair, MIN_JUDGED_STEPS, _fmt(current[1]),
+        )  # fmt: skip
+        return False
     if not (force or beats(score, current)):
         log.info(
             "%s probes of %s: routing score %s does not beat the champion's %s%s; the champion stays",

@@ -22,6 +22,7 @@ from semspec.models.spec.probe import save_probe
 from semspec.tasks.io import close_figure, save_figure_atomic, write_json_atomic
 from semspec.tasks.probe_registry import (
     ACCEPT_RATE_TAG,
+    MIN_JUDGED_STEPS,
     MIN_P_TAG,
     MIN_RATIO_TAG,
     POINTERS_FILE,
@@ -76,12 +77,13 @@ def promote_trained(
     champions: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, bool]:
     """Make each variant's newly registered probes (``pointers``: ``<role>-<key>`` -> ProbeRef fields)
-    champion when they route better on the held-out questions than the current champion (``promote``;
-    ``mode`` ``always``: whatever their score). ``champions``: the current champions' routing metrics on
-    the same held-out steps, where they could be read (``champion_probes``): scores from different test
-    steps are not comparable, and a small run's few steps can score high by chance. A key without
-    routing metrics (a per-domain probe, a run without joint labels) is judged by no score. Returns
-    key -> whether it became champion."""
+        champion when they route better on the held-out questions than the current champion (``promote``;
+        ``mode`` ``always``: whatever their score). ``champions``: the current champions' routing metrics on
+        the same held-out steps, where they could be read (``champion_probes``): scores from different test
+        steps are not comparable, and a small run's few steps can score high by chance (a run with fewer than
+    ``MIN_JUDGED_STEPS`` of either kind replaces only a champion without a score). A key without
+        routing metrics (a per-domain probe, a run without joint labels) is judged by no score. Returns
+        key -> whether it became champion."""
     keys = sorted({k.split("-", 1)[1] for k in pointers})
     out = {}
     for key in keys:
@@ -91,11 +93,13 @@ def promote_trained(
             if (ref := pointers.get(f"{role}-{key}")) is not None and ref.get("version") is not None
         }
         if versions:
-            score = routing_score((routing or {}).get(key))
-            against = (champions or {}).get(key)
+            mine, against = (routing or {}).get(key), (champions or {}).get(key)
+            judged = (
+                bool(mine) and min(mine.get("n_shared", 0), mine.get("n_not_shared", 0)) >= MIN_JUDGED_STEPS
+            )
             out[key] = promote(
-                pair, key, versions, score, force=mode == "always",
-                against=None if against is None else routing_score(against),
+                pair, key, versions, routing_score(mine), force=mode == "always",
+                against=None if against is None else routing_score(against), judged=judged,
             )  # fmt: skip
     return out
 

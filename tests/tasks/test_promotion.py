@@ -88,15 +88,23 @@ def test_the_champion_is_judged_on_the_new_run_s_own_steps_where_it_can_read_the
             registered_name(PAIR, role, "all"), CHAMPION, version
         )
     pointers = {f"{r}-all": {"name": registered_name(PAIR, r, "all"), "version": v} for r, v in new.items()}
-    routing = {"all": {"true_accept": 0.6, "false_accept": 0.1}}  # 0.5: below the champion's tag (0.7)
-    same_steps = {"all": {"true_accept": 0.5, "false_accept": 0.2}}  # the champion on these steps: 0.3
+    steps = {"n_shared": 20, "n_not_shared": 20}
+    routing = {
+        "all": {"true_accept": 0.6, "false_accept": 0.1, **steps}
+    }  # 0.5: below the champion's tag (0.7)
+    same_steps = {
+        "all": {"true_accept": 0.5, "false_accept": 0.2, **steps}
+    }  # the champion on these steps: 0.3
+    few = {"all": {"true_accept": 0.6, "false_accept": 0.1, "n_shared": 20, "n_not_shared": 4}}
+    assert promote_trained(PAIR, pointers, few, "better", same_steps) == {"all": False}  # too few to judge
+    assert _champion() == first["target"]
     assert promote_trained(PAIR, pointers, routing, "better", same_steps) == {"all": True}
     assert _champion() == new["target"]
     for role, version in first.items():
         mlflow.MlflowClient().set_registered_model_alias(
             registered_name(PAIR, role, "all"), CHAMPION, version
         )
-    better_here = {"all": {"true_accept": 0.8, "false_accept": 0.1}}  # 0.7 on these steps: it stays
+    better_here = {"all": {"true_accept": 0.8, "false_accept": 0.1, **steps}}  # 0.7 on these steps: it stays
     assert promote_trained(PAIR, pointers, routing, "better", better_here) == {"all": False}
     assert _champion() == first["target"]
 
