@@ -1,7 +1,7 @@
 """The accuracy study: the paper's Table 1 on a CPU, in one resumable command.
 
     python benchmarks/study.py [--pair qwen-coder] [--budget N | --budget-sample N] [--llamacpp BIN]
-                               [--floors 0.5 1 1.5 2]
+                               [--problems N [--token-problems M]] [--floors 0.5 1 1.5 2]
 
 1. **The budget** (skipped with ``--budget``): the target alone, greedy, on the study's problems under a
    budget far above what it needs (``--profile budget``); ``budget_90`` of its metrics is the least budget
@@ -10,6 +10,10 @@
    on every problem at a large budget takes about as long as one method of the study.
 2. **The study**: ``--profile study`` (every method on the same problems, greedy) at that budget, with
    llama.cpp's target on the same GGUF file where ``--llamacpp`` names a ``llama-server`` (or its folder).
+   With ``--problems N``, on a seeded random N of the study's problems (each benchmark in proportion);
+   with ``--token-problems M`` too, the token-level methods (``specsampling``, llama.cpp) on a random M
+   of those (the seeded samples nest) and the others on all N: the reduced form for a CPU where the whole
+   set does not fit. The target runs on all N; its rows serve both runs.
 3. **The operating curve**: SemanticSpec ``all`` at each ``--floors`` value of ``min_ratio`` (a step is
    accepted when ``u < min(1, p/q)`` and ``p/q`` reaches the floor), each into its own folder; the
    target's rows of step 2 are shared, not decoded again.
@@ -39,6 +43,7 @@ log = logging.getLogger("semspec.benchmarks.study")
 OVERALL = "_overall"
 CURVE = "semanticspec-all"  # the method the operating curve moves
 LLAMACPP = "llamacpp"
+STEP_METHODS = ["target", "draft", "specreason", "semanticspec"]  # with the single-model baselines
 
 
 def read_budget(metrics: dict[str, Any]) -> int:
@@ -139,9 +144,32 @@ def with_llamacpp(overall: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
     same problems), where the study ran llama.cpp."""
     base = overall.get(LLAMACPP, {}).get("cost_s")
     return {
-        label: {**m, "speedup_vs_llamacpp": base / m["cost_s"] if base and m.get("cost_s") else None}
+        label: m
+        if "speedup_vs_llamacpp" in m
+        else {**m, "speedup_vs_llamacpp": base / m["cost_s"] if base and m.get("cost_s") else None}
         for label, m in overall.items()
     }
+
+
+def with_token_run(metrics: dict[str, Any], token: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+    """The study's summary with the token-level methods (``labels``) taken from their run on a subset of
+    the study's problems (``token``, where the target ran too). Speed-ups against llama.cpp go through the
+    target: a method's speed-up against our target (paired, on its problems) times our target's against
+    llama.cpp's on the subset, so no ratio compares different problems."""
+    overall = dict(metrics.get(OVERALL, {}))
+    sub = token.get(OVERALL, {})
+    for label in labels:
+        if label in sub:
+            overall[label] = sub[label]
+    target, llama = sub.get("target", {}).get("cost_s"), sub.get(LLAMACPP, {}).get("cost_s")
+    if target and llama:
+        overall = {
+            label: {**m, "speedup_vs_llamacpp": m["speedup_latency"] * llama / target}
+            if m.get("speedup_latency")
+            else m
+            for label, m in overall.items()
+        }
+    return {**metrics, OVERALL: overall}
 
 
 def table(overall: dict[str, dict[str, Any]]) -> str:
@@ -218,12 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-sample", type=int, default=None,
         help="measure the budget on a random N of the study's problems (in proportion per benchmark)",
     )  # fmt: skip
+    ap.add_argument(
+        "--problems", type=int, default=None, help="a random N of the study's problems (every method)"
+    )
+    ap.add_argument(
+        "--token-problems", type=int, default=None,
+        help="the token-level methods (specsampling, llama.cpp) on a random N of those problems only",
+    )  # fmt: skip
     ap.add_argument("--llamacpp", default=None, help="llama-server (or its folder): llama.cpp's target too")
     ap.add_argument("--floors", type=float, nargs="*", default=[0.5, 1.0, 1.5, 2.0], help="min_ratio values")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if a.budget is not None and a.budget < 1:
         ap.error("--budget takes a token count >= 1")
+    if a.token_problems is not None and not 0 < a.token_problems < (a.problems or 10**9):
+        ap.error("--token-problems takes a count >= 1 and below --problems")
     run = f"{a.pair}-study"
     rows, reports = Path("eval") / run, Path("reports") / run
     budget = a.budget
@@ -234,18 +271,41 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(a.pair, "budget", Path("eval") / f"{a.pair}-{name}", reports, name, sets)
         )
     log.info("study: every method gets %d new tokens", budget)
-    sets = [f"evaluate.decode.max_new_tokens={budget}"]
-    if a.llamacpp:
-        sets += ["evaluate.methods=[target,draft,specsampling,specreason,semanticspec,llamacpp]"]
-        sets += [f"evaluate.llamacpp_bin={a.llamacpp}"]
-    metrics = evaluate(a.pair, "study", rows / "main", reports, "metrics", sets)
+    sets = [
+        f"evaluate.decode.max_new_tokens={budget}",
+        *(sample_sets("study", a.problems) if a.problems else []),
+    ]
+    token = ["specsampling", *([LLAMACPP] if a.llamacpp else [])]
+    llama = [f"evaluate.llamacpp_bin={a.llamacpp}"] if a.llamacpp else []
+    if a.token_problems:  # the token-level methods apart, on a subset (the samples nest: the same seed)
+        metrics = evaluate(
+            a.pair, "study", rows / "main", reports, "metrics",
+            [*sets, f"evaluate.methods=[{','.join(STEP_METHODS)}]"],
+        )  # fmt: skip
+        subset = [sets[0], *sample_sets("study", a.token_problems), *llama]
+        subset += [
+            f"evaluate.methods=[target,{','.join(token)}]"
+        ]  # the target's rows resume: not decoded again
+        metrics = with_token_run(
+            metrics, evaluate(a.pair, "study", rows / "main", reports, "token", subset), token
+        )
+    else:
+        methods = [*STEP_METHODS, *token]
+        metrics = evaluate(
+            a.pair,
+            "study",
+            rows / "main",
+            reports,
+            "metrics",
+            [*sets, *llama, f"evaluate.methods=[{','.join(methods)}]"],
+        )
     runs = {}
     for floor in a.floors:
         out = rows / f"floor-{floor:g}"
         share_baselines(rows / "main", out)  # the target's rows: decoded once
         runs[floor] = evaluate(
             a.pair, "study", out, reports, f"floor-{floor:g}",
-            [*sets[:1], "evaluate.methods=[target,semanticspec]", "evaluate.probe_variants=[all]",
+            [*sets, "evaluate.methods=[target,semanticspec]", "evaluate.probe_variants=[all]",
              f"evaluate.decode.min_ratio={floor:g}"],
         )  # fmt: skip
     points = curve_points(runs)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from semspec.models.lm.pair import PairConfig
-from semspec.models.spec.names import PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
+from semspec.models.spec.names import LLAMACPP, PROBE_METHOD, SEMANTICSPEC_RULES, parse_label
 from semspec.models.spec.settings import DecodeSettings
 from semspec.tasks.config import EvaluateConfig, Params
 from semspec.tasks.fingerprint import pipeline_fingerprint
@@ -39,7 +39,7 @@ def run_key(
     ``run_identity`` (probe versions, salvage). Rows with another key are stale
     and decoded again. The number of actors is not part of it (a row does not depend on which replica
     decoded it); the batch size is (latencies do). The probe domain is in SemanticSpec's label and its
-    probes' identity, not in the key of the other methods' rows; neither are the floors on p/q and on p,
+    probes' identity, not in the key of the other methods' rows; neither is llama.cpp's binary, nor the floors on p/q and on p,
     the rejection budget and the token check, which only SemanticSpec reads (so its rows with and without them share the
     same baseline rows)."""
     skip = {"benchmarks", "methods", "probe_variants", "seeds", "actors", "probe_domain", "decode"}
@@ -48,6 +48,8 @@ def run_key(
         skip |= set(SEMANTICSPEC_RULES)
     skip |= {name for name, reader in _READ_BY.items() if reader != method}
     settings = {k: v for k, v in {**asdict(cfg), **_decode_key(cfg.decode)}.items() if k not in skip}
+    if method != LLAMACPP:  # only llama.cpp's rows depend on its binary (kept as unset: earlier keys stay)
+        settings["llamacpp_bin"] = None
     # a rule that is off is left out, as before it existed, so earlier rows keep their keys (min_ratio was
     # in the key from the start)
     for name in (r for r in SEMANTICSPEC_RULES if r != "min_ratio"):

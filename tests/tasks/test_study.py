@@ -75,3 +75,29 @@ def test_a_budget_sample_keeps_each_benchmark_s_share(monkeypatch):
     for bad in (0, 338):
         with pytest.raises(ValueError, match="between 1 and the 338 problems"):
             sample_sets("budget", bad)
+
+
+def test_the_token_run_s_methods_join_the_table_with_llama_cpp_bridged_through_the_target():
+    from benchmarks.study import with_token_run
+
+    main = {
+        "_overall": {
+            "target": _m(0.6, 10.0, speedup_latency=1.0),
+            "semanticspec-all": _m(0.55, 5.0, speedup_latency=2.0),
+        }
+    }
+    token = {
+        "_overall": {
+            "target": _m(0.5, 12.0, speedup_latency=1.0),  # the target on the subset
+            "specsampling": _m(0.5, 15.0, speedup_latency=0.8),
+            "llamacpp": _m(0.5, 6.0, speedup_latency=2.0),
+            "semanticspec-all": _m(0.0, 1.0),  # not a token-level method: the main run's row stays
+        }
+    }
+    merged = with_token_run(main, token, ["specsampling", "llamacpp"])["_overall"]
+    assert merged["target"]["cost_s"] == 10.0 and merged["semanticspec-all"]["pass@1"] == 0.55
+    assert merged["specsampling"]["cost_s"] == 15.0 and merged["llamacpp"]["cost_s"] == 6.0
+    # llama.cpp is 2x our target on the subset: SemanticSpec at 2x our target is 1x llama.cpp
+    assert merged["semanticspec-all"]["speedup_vs_llamacpp"] == pytest.approx(1.0)
+    assert merged["llamacpp"]["speedup_vs_llamacpp"] == pytest.approx(1.0)
+    assert "| semanticspec-all |" in table(merged) and "1.00" in table(merged)

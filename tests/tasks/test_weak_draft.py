@@ -61,6 +61,17 @@ def test_a_floor_on_p_over_q_keys_only_semanticspec_rows(tmp_path, rule):
     assert run_key(plain, pair, "semanticspec-all", None) != run_key(floor, pair, "semanticspec-all", None)
 
 
+def test_llama_cpp_s_binary_keys_only_its_own_rows(tmp_path):
+    """The study runs the target with and without ``evaluate.llamacpp_bin`` into one folder: its rows
+    must keep their key, or the second run would drop and decode them again."""
+    pair = write_tiny_pair(tmp_path)
+    plain = load_params(profile="tiny").evaluate
+    with_bin = load_params(profile="tiny", overrides=["evaluate.llamacpp_bin=/opt/llama/bin"]).evaluate
+    for label in ("target", "draft", "semanticspec-all"):
+        assert run_key(plain, pair, label, None) == run_key(with_bin, pair, label, None)
+    assert run_key(plain, pair, "llamacpp", None) != run_key(with_bin, pair, "llamacpp", None)
+
+
 def test_each_rule_suffix_evaluates_under_its_settings():
     from benchmarks.weak_draft import rule_settings
 
